@@ -1,0 +1,65 @@
+"""The limit for ddp_train.py: a bare DDP loop over the same model and in-memory batches,
+without the script's extras (no DataLoader, sampler, schedule, progress bar or checks).
+
+    torchrun --standalone --nproc_per_node=2 benchmarks/bare_loop.py --steps 200
+
+Prints one JSON line (rank 0) with the median step time in milliseconds.
+"""
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import ArgumentParser, build_model, cleanup, init_distributed_mode, load_datasets  # noqa: E402
+
+
+def main():
+    p = ArgumentParser(description="bare DDP training loop (the speed limit)")
+    p.add_argument("--data", default="fashion-mnist", help="data set (as ddp_train.py)")
+    p.add_argument("--data-dir", default="data", help="data root (as ddp_train.py)")
+    p.add_argument("--model", default="cnn", help="network (as ddp_train.py)")
+    p.add_argument("--batch-size", type=int, default=128, help="samples per process per step")
+    p.add_argument("--steps", type=int, default=200, help="timed steps (after 20 warm-up steps)")
+    p.add_argument("--no-ddp", action="store_true", help="skip the DDP wrapper: no gradient all-reduce")
+    p.add_argument("--no-channels-last", action="store_true", help="NCHW instead of NHWC")
+    args = p.parse_args()
+    info = init_distributed_mode()
+    try:
+        torch.manual_seed(0)
+        train_set, _, num_classes, in_channels = load_datasets(args.data, args.data_dir)
+        fmt = torch.contiguous_format if args.no_channels_last else torch.channels_last
+        model = build_model(args.model, in_channels, num_classes).to(info.device, memory_format=fmt)
+        if info.distributed and not args.no_ddp:
+            model = DDP(model, gradient_as_bucket_view=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
+        x, y = train_set.images, train_set.labels
+        times = []
+        for i in range(args.steps + 20):
+            idx = torch.randint(len(y), (args.batch_size,))
+            images = x[idx].to(info.device, memory_format=fmt)
+            t0 = time.perf_counter()
+            loss = F.cross_entropy(model(images), y[idx].to(info.device), label_smoothing=0.1)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if info.device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= 20:
+                times.append(time.perf_counter() - t0)
+        if info.rank == 0:
+            result = {"world_size": info.world_size, "ddp": info.distributed and not args.no_ddp}
+            result["ms_per_step"] = 1000 * statistics.median(times)
+            print(json.dumps(result), flush=True)
+    finally:
+        cleanup()
+
+
+if __name__ == "__main__":
+    main()
