@@ -207,6 +207,29 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, autocast, args,
     return (totals[0] / totals[1]).item(), step, done
 
 
+def build_loaders(args, train_set, test_set, info):
+    """This rank's training sampler and loader, and its exact share of the test set."""
+    rank, world = info.rank, info.world_size
+    # DistributedSampler hands each rank a disjoint 1/world of a permutation that depends
+    # on (seed, epoch); drop_last trims the set to a multiple of world instead of padding it
+    # with repeated samples. set_epoch() below makes every epoch's order new.
+    train_sampler = DistributedSampler(
+        train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True
+    )
+    loader_args = dict(
+        num_workers=args.workers,
+        pin_memory=info.device.type == "cuda",  # page-locked memory lets copies overlap compute
+        collate_fn=collate,
+        persistent_workers=args.workers > 0,
+    )
+    # drop_last: every step sees a full batch (steady BatchNorm statistics, one compiled shape).
+    train_loader = DataLoader(
+        train_set, batch_size=args.batch_size, sampler=train_sampler, drop_last=True, **loader_args
+    )
+    test_loader = DataLoader(eval_shard(test_set, rank, world), batch_size=2 * args.batch_size, **loader_args)
+    return train_sampler, train_loader, test_loader
+
+
 def wrap_ddp(model, info):
     """The one line that makes this data-parallel. DDP broadcasts rank 0's parameters and
     buffers here (so every copy starts equal), then all-reduces gradients in buckets while
@@ -240,23 +263,7 @@ def train(args, info, wrap=wrap_ddp):
             f"one rank's shard ({len(train_set) // world} of {len(train_set)} samples)"
         )
 
-    # DistributedSampler hands each rank a disjoint 1/world of a permutation that depends
-    # on (seed, epoch); drop_last trims the set to a multiple of world instead of padding it
-    # with repeated samples. set_epoch() below makes every epoch's order new.
-    train_sampler = DistributedSampler(
-        train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True
-    )
-    loader_args = dict(
-        num_workers=args.workers,
-        pin_memory=device.type == "cuda",  # page-locked memory lets copies overlap compute
-        collate_fn=collate,
-        persistent_workers=args.workers > 0,
-    )
-    # drop_last: every step sees a full batch (steady BatchNorm statistics, one compiled shape).
-    train_loader = DataLoader(
-        train_set, batch_size=args.batch_size, sampler=train_sampler, drop_last=True, **loader_args
-    )
-    test_loader = DataLoader(eval_shard(test_set, rank, world), batch_size=2 * args.batch_size, **loader_args)
+    train_sampler, train_loader, test_loader = build_loaders(args, train_set, test_set, info)
     steps_per_epoch = len(train_loader) // args.accum_steps
     total_steps = args.epochs * steps_per_epoch
 
