@@ -3,7 +3,10 @@ without the script's extras (no DataLoader, sampler, schedule, progress bar or c
 
     torchrun --standalone --nproc_per_node=2 benchmarks/bare_loop.py --steps 200
 
-Prints one JSON line (rank 0) with the median step time in milliseconds.
+Prints one JSON line (rank 0): ms_per_step, the median time of forward, backward and
+optimizer step alone; and ms_per_step_wall, the mean wall time per step over the whole timed
+window including taking the batch from the in-memory tensors, which is what ddp_train.py's
+epoch_seconds / steps measures (benchmarks/run_all.py compares against that one).
 """
 
 import json
@@ -29,8 +32,11 @@ def main():
     p.add_argument("--steps", type=int, default=200, help="timed steps (after 20 warm-up steps)")
     p.add_argument("--no-ddp", action="store_true", help="skip the DDP wrapper: no gradient all-reduce")
     p.add_argument("--no-channels-last", action="store_true", help="NCHW instead of NHWC")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if present")
     args = p.parse_args()
-    info = init_distributed_mode()
+    if args.steps < 1 or args.batch_size < 1:
+        p.error("--steps and --batch-size must be at least 1")
+    info = init_distributed_mode(device=args.device)
     try:
         torch.manual_seed(0)
         train_set, _, num_classes, in_channels = load_datasets(args.data, args.data_dir)
@@ -40,8 +46,10 @@ def main():
             model = DDP(model, gradient_as_bucket_view=True)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
         x, y = train_set.images, train_set.labels
-        times = []
-        for i in range(args.steps + 20):
+
+        def step():
+            """One training step on a random in-memory batch; returns the seconds of
+            forward, backward and optimizer step (the batch gather excluded)."""
             idx = torch.randint(len(y), (args.batch_size,))
             images = x[idx].to(info.device, memory_format=fmt)
             t0 = time.perf_counter()
@@ -51,11 +59,18 @@ def main():
             opt.step()
             if info.device.type == "cuda":
                 torch.cuda.synchronize()
-            if i >= 20:
-                times.append(time.perf_counter() - t0)
+            return time.perf_counter() - t0
+
+        for _ in range(20):  # warm-up: oneDNN primitives, DDP buckets, allocator
+            step()
+        window_start = time.perf_counter()
+        times = [step() for _ in range(args.steps)]
+        window = time.perf_counter() - window_start
         if info.rank == 0:
             result = {"world_size": info.world_size, "ddp": info.distributed and not args.no_ddp}
             result["ms_per_step"] = 1000 * statistics.median(times)
+            result["ms_per_step_wall"] = 1000 * window / args.steps
+            result["samples_per_second"] = args.steps * args.batch_size * info.world_size / window
             print(json.dumps(result), flush=True)
     finally:
         cleanup()

@@ -1,0 +1,673 @@
+"""Every benchmark of the repository in one run, printed as a markdown table.
+
+    python benchmarks/run_all.py            # the full run: about 10 minutes on 2 CPU cores
+    python benchmarks/run_all.py --quick    # smoke pass: a few steps of everything, ~2 minutes
+
+Writes benchmarks/results.md, benchmarks/results.json and, when matplotlib is installed,
+benchmarks/accuracy_vs_time.png (--quick writes them under benchmarks/runs/ instead, so a
+smoke pass never replaces real figures). Logs and outputs of every run stay in
+benchmarks/runs/.
+
+Sections: (a) time to accuracy on Fashion-MNIST, ddp_train.py against the classic recipe;
+(b) ddp_train.py's step time against a bare DDP loop, and the input pipeline's share;
+(c) launchers and strategies: mp.spawn against torchrun, DataParallel against DDP, 1 -> 2
+processes; (d) scripts that are not in the repository yet; (e) CIFAR-10 on a CUDA device.
+Runs are sequential, each with a timeout; compare figures as ratios within one run.
+"""
+
+import argparse
+import contextlib
+import gzip
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+PY = sys.executable
+TORCHRUN = [PY, "-m", "torch.distributed.run"]  # the `torchrun` command, with this Python
+RAW_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+
+
+def log(message):
+    """Progress goes to stderr; stdout carries only the markdown."""
+    print(message, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------
+# Running the scripts
+
+
+def torchrun(nproc, script, *args):
+    return [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", script, *args]
+
+
+def show(cmd):
+    """The command as a person would type it: `python`, and `torchrun` for the module."""
+    cmd = list(cmd)
+    if cmd[:3] == TORCHRUN:
+        cmd = ["torchrun", *cmd[3:]]
+    elif cmd[:1] == [PY]:
+        cmd = ["python", *cmd[1:]]
+    return shlex.join(cmd)
+
+
+class Runner:
+    """Runs commands one at a time from the repository root, each with a timeout, its
+    output in a log file, and results cached by command: a section that needs a run
+    another section already made (the same command) reads that one."""
+
+    def __init__(self, work_dir):
+        self.work_dir = work_dir
+        self.runs = {}  # name -> record
+        self.by_cmd = {}
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # Every launcher applies its own thread budget (torchrun: 1 per process; mp.spawn:
+        # cores / processes; one process: all cores); a value from the shell would override all.
+        self.removed_omp = self.env.pop("OMP_NUM_THREADS", None)
+
+    def run(self, name, cmd, timeout, output_dir=False):
+        """Run cmd (with `--output-dir DIR` appended when output_dir) and return its record:
+        command, exit status, wall seconds, metrics (metrics.jsonl lines), json (JSON lines
+        printed on stdout) and, on failure, the last lines of its output."""
+        key = tuple(cmd)
+        if key in self.by_cmd:
+            return self.by_cmd[key]
+        run_dir = self.work_dir / name
+        shutil.rmtree(run_dir, ignore_errors=True)  # ddp_train.py would resume from an old checkpoint
+        run_dir.mkdir(parents=True)
+        full = [*cmd, "--output-dir", str(run_dir.relative_to(ROOT))] if output_dir else list(cmd)
+        log(f"[{time.strftime('%H:%M:%S')}] {name}: {show(full)}")
+        t0 = time.perf_counter()
+        with open(run_dir / "output.log", "w") as out:
+            # A session of its own: a timeout or Ctrl-C stops exactly this command's processes.
+            proc = subprocess.Popen(
+                full, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                status = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                stop(proc)
+                status = f"timed out after {timeout} s"
+            except KeyboardInterrupt:
+                stop(proc)
+                raise
+        wall = time.perf_counter() - t0
+        text = (run_dir / "output.log").read_text(errors="replace")
+        metrics_file = run_dir / "metrics.jsonl"
+        metrics = (
+            [json.loads(ln) for ln in metrics_file.read_text().splitlines() if ln] if metrics_file.exists() else []
+        )
+        printed = []
+        for line in text.splitlines():
+            if line.startswith("{"):
+                with contextlib.suppress(json.JSONDecodeError):
+                    printed.append(json.loads(line))
+        record = dict(name=name, command=show(full), status=status, wall_seconds=wall, metrics=metrics, json=printed)
+        if status != 0 or not (metrics or printed):
+            # The last lines of the output, made safe for a markdown table cell.
+            tail = " / ".join(ln.strip() for ln in text.strip().splitlines()[-3:]) or "no output"
+            if not isinstance(status, int):  # timed out: the tail is only the stop signal's traceback
+                tail = f"see {run_dir.relative_to(ROOT) / 'output.log'}"
+            record["error"] = tail.replace("|", "\\|")[-400:]
+        log(f"    -> {'ok' if status == 0 else 'FAILED: ' + str(status)} in {wall:.0f} s")
+        self.runs[name] = self.by_cmd[key] = record
+        return record
+
+
+def stop(proc):
+    """End a command's process group: SIGTERM first, which torchrun passes on to its workers
+    (they run in sessions of their own), then SIGKILL if it is still there after a minute."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def ok(record):
+    return "error" not in record
+
+
+def failure(record):
+    status = record["status"]
+    return f"failed ({'exit ' + str(status) if isinstance(status, int) else status}): {record['error']}"
+
+
+# ----------------------------------------------------------------------------------------
+# Reading metrics
+
+
+def steady(metrics):
+    """The epochs after the first (which pays one-time warm-up costs); all if only one."""
+    return metrics[1:] or metrics
+
+
+def samples_per_second(metrics):
+    """Samples per second over the steady-state epochs (a time-weighted mean)."""
+    rows = steady(metrics)
+    seconds = sum(m["epoch_seconds"] for m in rows)
+    return sum(m["samples_per_second"] * m["epoch_seconds"] for m in rows) / seconds
+
+
+def ms_per_step(metrics):
+    """Mean training milliseconds per optimizer step over the steady-state epochs."""
+    rows = steady(metrics)
+    steps_before = metrics[0]["step"] if len(metrics) > 1 else 0
+    return 1000 * sum(m["epoch_seconds"] for m in rows) / (rows[-1]["step"] - steps_before)
+
+
+def time_to(metrics, target):
+    """(cumulative training seconds, 1-based epoch) at the first epoch end with test
+    accuracy >= target, or None. Accuracy is measured once per epoch, so this is an
+    upper bound at epoch granularity."""
+    total = 0.0
+    for m in metrics:
+        total += m["epoch_seconds"]
+        if m["test_acc"] >= target:
+            return total, m["epoch"] + 1
+    return None
+
+
+def pct(x):
+    return f"{100 * x:.1f}%"
+
+
+def fmt_time_to(hit):
+    return f"{hit[0]:.1f} s (epoch {hit[1]})" if hit else "not reached"
+
+
+def table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def commands(*records):
+    return ["", "Commands:", ""] + [f"- `{r['command']}`" for r in records]
+
+
+# ----------------------------------------------------------------------------------------
+# Data
+
+
+def fashion_mnist_root(data_dir, work_dir):
+    """A torchvision root with the unzipped Fashion-MNIST files, which the baseline recipe
+    (torchvision's own data set class) needs: data_dir if it has them, else Debian's
+    dataset-fashion-mnist files gunzipped into the work directory; None if neither."""
+    if all((ROOT / data_dir / "FashionMNIST" / "raw" / f).is_file() for f in RAW_FILES):
+        return data_dir  # relative paths are relative to the repository root, where the scripts run
+    if not all((DEBIAN_FASHION_MNIST / f"{f}.gz").is_file() for f in RAW_FILES):
+        return None
+    root = work_dir / "data"
+    raw = root / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for f in RAW_FILES:
+        if not (raw / f).is_file():
+            with gzip.open(DEBIAN_FASHION_MNIST / f"{f}.gz") as src, open(raw / f, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    return str(root.relative_to(ROOT))
+
+
+# ----------------------------------------------------------------------------------------
+# Sections. Each returns markdown lines and data for results.json (section a also the
+# accuracy curves for the plot).
+
+
+def configs(args):
+    """Flags and timeouts of the full run and of the --quick smoke pass."""
+    if args.quick:
+        return dict(
+            train=["--epochs", "1", "--max-steps", str(args.quick_steps)],
+            baseline=["--epochs", "1", "--max-steps", str(args.quick_steps)],
+            bare=["--steps", "20"],
+            pipeline=["--max-batches", str(args.quick_steps)],
+            gpu=["--epochs", "1", "--max-steps", str(args.quick_steps)],
+            timeout=300,
+        )
+    return dict(
+        train=[],  # ddp_train.py's defaults: 5 epochs
+        baseline=[],  # the recipe's 10 epochs
+        bare=["--steps", "200"],
+        pipeline=[],  # one epoch of one rank's shard
+        gpu=["--epochs", str(args.gpu_epochs)],
+        timeout=1200,
+    )
+
+
+def cpu_flags(args):
+    """Sections a-c measure the CPU with gloo: say so on a machine that also has CUDA."""
+    flags = ["--data-dir", args.data_dir] if args.data_dir != "data" else []
+    return flags + (["--device", "cpu"] if torch.cuda.is_available() else [])
+
+
+def ddp_run(runner, args, cfg, nproc):
+    cmd = torchrun(nproc, "ddp_train.py", *cpu_flags(args), *cfg["train"])
+    return runner.run(f"ddp_train_{nproc}proc", cmd, cfg["timeout"], output_dir=True)
+
+
+def section_time_to_accuracy(runner, args, cfg):
+    lines = ["## a. Time to accuracy on Fashion-MNIST", ""]
+    configs_ = [("ddp_train.py, 2 processes", ddp_run(runner, args, cfg, 2))]
+    configs_.append(("ddp_train.py, 1 process", ddp_run(runner, args, cfg, 1)))
+    root = fashion_mnist_root(args.data_dir, runner.work_dir)
+    if root is None:
+        lines += ["Baseline not run: no Fashion-MNIST files in data/FashionMNIST/raw or Debian's package.", ""]
+        baseline = None
+    else:
+        device = ["--device", "cpu"] if torch.cuda.is_available() else []
+        cmd = torchrun(2, "benchmarks/baseline_recipe.py", "--data-dir", str(root), *device, *cfg["baseline"])
+        baseline = runner.run("baseline_recipe_2proc", cmd, cfg["timeout"], output_dir=True)
+        configs_.append(("baseline recipe, 2 processes", baseline))
+    target = baseline["metrics"][-1]["test_acc"] if baseline and ok(baseline) else None
+    base_hit = time_to(baseline["metrics"], target) if target is not None else None
+    base_sps = samples_per_second(baseline["metrics"]) if target is not None else None
+
+    rows, data = [], {}
+    for label, r in configs_:
+        if not ok(r):
+            rows.append([label, failure(r)] + [""] * 7)
+            data[label] = dict(command=r["command"], error=failure(r))
+            continue
+        m = r["metrics"]
+        hit = time_to(m, target) if target is not None else None
+        hits = {"baseline_final": hit, "0.90": time_to(m, 0.90), "0.91": time_to(m, 0.91)}
+        train_s = sum(x["epoch_seconds"] for x in m)
+        sps = samples_per_second(m)
+        speedup = f"{base_hit[0] / hit[0]:.1f}x" if hit and base_hit else "n/a"
+        rows.append(
+            [
+                label,
+                pct(m[-1]["test_acc"]),
+                f"{train_s:.1f}",
+                f"{r['wall_seconds']:.0f}",
+                f"{sps:.0f}" + (f" ({sps / base_sps:.1f}x)" if base_sps else ""),
+                fmt_time_to(hit) if target is not None else "n/a",
+                fmt_time_to(hits["0.90"]),
+                fmt_time_to(hits["0.91"]),
+                speedup,
+            ]
+        )
+        data[label] = dict(
+            command=r["command"],
+            final_acc=m[-1]["test_acc"],
+            training_seconds=train_s,
+            run_wall_seconds=r["wall_seconds"],
+            samples_per_second_steady=sps,
+            time_to={k: (v[0] if v else None) for k, v in hits.items()},
+            speedup_to_baseline_final=(base_hit[0] / hit[0]) if hit and base_hit else None,
+            per_epoch=[dict(epoch=x["epoch"] + 1, test_acc=x["test_acc"], epoch_seconds=x["epoch_seconds"]) for x in m],
+        )
+    base_label = pct(target) if target is not None else "baseline final"
+    lines += table(
+        [
+            "configuration",
+            "final test acc",
+            "training s",
+            "run wall s",
+            "samples/s (vs baseline)",
+            f"to {base_label} (baseline final)",
+            "to 90%",
+            "to 91%",
+            f"speed-up to {base_label}",
+        ],
+        rows,
+    )
+    lines += [
+        "",
+        "Training s: the sum of epoch_seconds (training only, no evaluation or start-up); run wall s: the whole "
+        "command. Time to X: cumulative training seconds at the first epoch end whose test accuracy is at least X. "
+        "Samples/s: steady state (epochs after the first). Speed-up: the baseline's time to its own final accuracy "
+        "divided by this configuration's.",
+        "",
+        "Test accuracy per epoch (cumulative training seconds):",
+        "",
+    ]
+    good = [(label, r["metrics"]) for label, r in configs_ if ok(r)]
+    epochs = max((len(m) for _, m in good), default=0)
+    rows = []
+    for e in range(epochs):
+        row = [str(e + 1)]
+        for _, m in good:
+            row.append(
+                f"{pct(m[e]['test_acc'])} ({sum(x['epoch_seconds'] for x in m[: e + 1]):.1f} s)" if e < len(m) else ""
+            )
+        rows.append(row)
+    lines += table(["epoch"] + [label for label, _ in good], rows)
+    lines += commands(*(r for _, r in configs_))
+    curves = {
+        label: [(sum(x["epoch_seconds"] for x in m[: i + 1]), x["test_acc"]) for i, x in enumerate(m)]
+        for label, m in good
+    }
+    return lines, dict(baseline_final_acc=target, configurations=data), curves
+
+
+def section_overhead(runner, args, cfg):
+    lines = ["## b. Overhead: ddp_train.py against a bare DDP loop (2 processes)", ""]
+    ddp = ddp_run(runner, args, cfg, 2)
+    bare = runner.run("bare_loop_2proc", torchrun(2, "benchmarks/bare_loop.py", *cpu_flags(args), *cfg["bare"]), 600)
+    pipe_cmd = [PY, "benchmarks/input_pipeline.py", "--world-size", "2", *cpu_flags(args), *cfg["pipeline"]]
+    pipe = runner.run("input_pipeline", pipe_cmd, 600)
+    data, rows, step_ms = {}, [], None
+    if ok(ddp):
+        step_ms = ms_per_step(ddp["metrics"])
+        which = "mean of epochs 2 and later" if len(ddp["metrics"]) > 1 else "epoch 1 only, warm-up included"
+        rows.append([f"ddp_train.py step ({which})", f"{step_ms:.1f} ms", ""])
+        data["ddp_train_ms_per_step"] = step_ms
+    else:
+        rows.append(["ddp_train.py step", failure(ddp), ""])
+    if ok(bare):
+        b = bare["json"][-1]
+        wall, median = b["ms_per_step_wall"], b["ms_per_step"]
+        for label, ms in (("mean wall time, batch gather included", wall), ("median of forward+backward+step", median)):
+            rows.append([f"bare loop step ({label})", f"{ms:.1f} ms", f"{step_ms / ms:.2f}x" if step_ms else ""])
+        data.update(bare_ms_per_step_wall=wall, bare_ms_per_step_median=median)
+        if step_ms:
+            data["overhead_ratio"] = step_ms / wall
+    else:
+        rows.append(["bare loop step", failure(bare), ""])
+    if ok(pipe):
+        p = pipe["json"][-1]
+        label = f"input pipeline alone, per batch ({p['batches']} batches of rank 0 of 2, {p['threads']} thread)"
+        share = f"{100 * p['ms_per_batch'] / step_ms:.1f}% of it" if step_ms else ""
+        rows.append([label, f"{p['ms_per_batch']:.2f} ms", share])
+        data["input_ms_per_batch"] = p["ms_per_batch"]
+        if step_ms:
+            data["input_share_of_step"] = p["ms_per_batch"] / step_ms
+    else:
+        rows.append(["input pipeline", failure(pipe), ""])
+    lines += table(["quantity", "value", "ddp_train.py step relative to it"], rows)
+    lines += [
+        "",
+        "The bare loop is the same model and optimizer on random batches of the same in-memory tensors, "
+        "without DataLoader, sampler, schedule, logging or checks: the limit for ddp_train.py on this machine. "
+        "The first bare-loop ratio is ddp_train.py's overhead (issue 2's target: at most 1.10). The input "
+        "pipeline row iterates ddp_train.build_loaders()' training loader without a model.",
+    ]
+    lines += commands(ddp, bare, pipe)
+    return lines, data
+
+
+def section_launchers(runner, args, cfg):
+    lines = ["## c. Launchers and strategies", ""]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    ddp2, ddp1 = ddp_run(runner, args, cfg, 2), ddp_run(runner, args, cfg, 1)
+    flags = [*cpu_flags(args), *cfg["train"]]
+    spawn_cmd = [PY, "ddp_mp_spawn.py", "--nprocs", "2", *flags]
+    spawn = runner.run("ddp_mp_spawn_2proc", spawn_cmd, cfg["timeout"], output_dir=True)
+    dp = runner.run("dp_train_1proc", [PY, "dp_train.py", *flags], cfg["timeout"], output_dir=True)
+    comparisons = [
+        ("launcher: mp.spawn vs torchrun, 2 processes", spawn, ddp2, f"{max(1, cores // 2)} vs 1"),
+        ("strategy: DataParallel vs DDP, 1 process", dp, ddp1, f"{cores} vs {cores}"),
+        ("scaling: 2 processes vs 1 (torchrun)", ddp2, ddp1, f"1 each vs {cores}"),
+    ]
+    rows, data = [], {}
+    for label, a, b, threads in comparisons:
+        if not (ok(a) and ok(b)):
+            bad = a if not ok(a) else b
+            rows.append([label, failure(bad), "", "", "", threads])
+            continue
+        sa, sb = samples_per_second(a["metrics"]), samples_per_second(b["metrics"])
+        ratio = sa / sb
+        note = f" ({100 * ratio / 2:.0f}% scaling efficiency)" if label.startswith("scaling") else ""
+        accs = f"{pct(a['metrics'][-1]['test_acc'])} / {pct(b['metrics'][-1]['test_acc'])}"
+        rows.append([label, f"{sa:.0f}", f"{sb:.0f}", f"{ratio:.2f}x{note}", accs, threads])
+        data[label] = dict(
+            samples_per_second=[sa, sb],
+            ratio=ratio,
+            final_acc=[a["metrics"][-1]["test_acc"], b["metrics"][-1]["test_acc"]],
+        )
+    lines += table(
+        ["comparison (A vs B)", "A samples/s", "B samples/s", "A / B", "final acc A / B", "threads per process A vs B"],
+        rows,
+    )
+    lines += [
+        "",
+        "Samples/s are steady state (epochs after the first), same flags for A and B. Threads: torchrun gives each "
+        "of several workers OMP_NUM_THREADS=1; mp.spawn children get cores / processes from "
+        "common.init_distributed_mode(); a single process uses every core.",
+    ]
+    lines += commands(spawn, ddp2, dp, ddp1)
+    return lines, data
+
+
+# What later issues add. Each needs a runner here once its command line exists; until then
+# the section says so rather than guess at flags. The communication options have no file of
+# their own: DDP applies them through register_comm_hook, so their use marks their arrival.
+PENDING = [
+    ("model_parallel.py", "model parallelism: naive, pipelined and single-device step time"),
+    ("quantize.py", "quantization: model size, latency and accuracy"),
+    ("register_comm_hook", "DDP communication options: step time and bytes"),
+]
+
+
+def section_pending():
+    lines, data = ["## d. Strategies still to come", ""], {}
+    for name, what in PENDING:
+        if name.endswith(".py"):
+            present = (ROOT / name).exists()
+            missing = f"not run: {name} not in the repository yet"
+        else:
+            present = any(name in f.read_text(errors="replace") for f in ROOT.glob("*.py"))
+            missing = f"not run: no script of the repository uses {name} yet"
+        status = (
+            f"not run: {name} is in the repository, but run_all.py has no runner for it yet" if present else missing
+        )
+        lines.append(f"- {what}: {status}")
+        data[what] = status
+    return lines, data
+
+
+def section_gpu(runner, args, cfg):
+    lines = ["## e. GPU: CIFAR-10, ResNet-18, bf16, channels_last, torch.compile", ""]
+    if not torch.cuda.is_available():
+        return lines + ["not run: no CUDA device"], dict(status="not run: no CUDA device")
+    cmd = [
+        PY,
+        "ddp_train.py",
+        *(["--data-dir", args.data_dir] if args.data_dir != "data" else []),
+        "--data",
+        "cifar10",
+        "--download",  # torchvision skips it when the files are already there
+        "--model",
+        "resnet18",
+        "--amp",
+        "bf16",
+        "--channels-last",
+        "--compile",
+        "--device",
+        "cuda",
+        *cfg["gpu"],
+    ]
+    r = runner.run("gpu_cifar10_resnet18", cmd, cfg["timeout"], output_dir=True)
+    if not ok(r):
+        return lines + [failure(r)] + commands(r), dict(error=failure(r))
+    m = r["metrics"]
+    hit = time_to(m, 0.94)
+    rows = [
+        ["device", torch.cuda.get_device_name(0)],
+        ["images/s (steady state, after the compiling first epoch)", f"{samples_per_second(m):.0f}"],
+        ["time to 94% test accuracy (training s, compile included)", fmt_time_to(hit)],
+        ["final test accuracy", f"{pct(m[-1]['test_acc'])} after {len(m)} epochs"],
+        ["training s (sum of epoch_seconds)", f"{sum(x['epoch_seconds'] for x in m):.1f}"],
+    ]
+    lines += table(["quantity", "value"], rows) + commands(r)
+    data = dict(
+        images_per_second=samples_per_second(m),
+        time_to_94=hit[0] if hit else None,
+        final_acc=m[-1]["test_acc"],
+        per_epoch=[dict(epoch=x["epoch"] + 1, test_acc=x["test_acc"], epoch_seconds=x["epoch_seconds"]) for x in m],
+    )
+    return lines, data
+
+
+# ----------------------------------------------------------------------------------------
+# Report
+
+
+def machine():
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    memory = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                memory = f"{int(line.split()[1]) / 2**20:.0f} GiB"
+    except OSError:
+        pass
+    try:
+        import torchvision
+
+        tv = torchvision.__version__
+    except ImportError:
+        tv = None
+    git = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return dict(
+        cores=cores,
+        cpu=cpu,
+        memory=memory,
+        gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        torch=torch.__version__,
+        torchvision=tv,
+        python=platform.python_version(),
+        os=f"{platform.system()} {platform.release()}",
+        commit=(git + (" (with uncommitted changes)" if dirty else "")) or None,
+    )
+
+
+def plot(curves, path):
+    """Test accuracy against cumulative training seconds; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, points in curves.items():
+        xs, ys = zip(*points, strict=True)
+        ax.plot(xs, [100 * y for y in ys], marker="o", label=label)
+    for level in (90, 91):
+        ax.axhline(level, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xlabel("training seconds (sum of epoch_seconds)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title("Fashion-MNIST: test accuracy against training time")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smoke pass: a few steps of every run (numbers meaningless)")
+    p.add_argument("--quick-steps", type=int, default=40, help="--quick: optimizer steps per training run")
+    p.add_argument("--sections", default="abcde", help="which sections to run, e.g. 'ab'")
+    p.add_argument("--data-dir", default="data", help="data root passed to the scripts (their default: data)")
+    p.add_argument("--gpu-epochs", type=int, default=10, help="epochs of the CIFAR-10 run in section e")
+    p.add_argument("--work-dir", default=str(BENCH / "runs"), help="logs and outputs of every run")
+    p.add_argument("--results-dir", default=None, help="where results.md/json and the plot go (default: benchmarks/)")
+    args = p.parse_args()
+    if args.quick_steps < 1 or args.gpu_epochs < 1:
+        p.error("--quick-steps and --gpu-epochs must be at least 1")
+    work_dir = Path(args.work_dir).resolve()
+    if not work_dir.is_relative_to(ROOT):
+        p.error("--work-dir must be inside the repository (the scripts get paths relative to it)")
+    results_dir = Path(args.results_dir or (work_dir if args.quick else BENCH)).resolve()
+    work_dir.mkdir(parents=True, exist_ok=True)
+    results_dir.mkdir(parents=True, exist_ok=True)
+
+    started = time.gmtime()
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    if load_before is not None and load_before > 0.5:
+        log(f"warning: load average {load_before:.2f}: other work is running and will distort the figures")
+    t0 = time.perf_counter()
+    info = machine()
+    runner = Runner(work_dir)
+    cfg = configs(args)
+    body, data, curves = [], {}, {}
+    if "a" in args.sections:
+        lines, data["a_time_to_accuracy"], curves = section_time_to_accuracy(runner, args, cfg)
+        body += lines + [""]
+    if "b" in args.sections:
+        lines, data["b_overhead"] = section_overhead(runner, args, cfg)
+        body += lines + [""]
+    if "c" in args.sections:
+        lines, data["c_launchers"] = section_launchers(runner, args, cfg)
+        body += lines + [""]
+    if "d" in args.sections:
+        lines, data["d_pending"] = section_pending()
+        body += lines + [""]
+    if "e" in args.sections:
+        lines, data["e_gpu"] = section_gpu(runner, args, cfg)
+        body += lines + [""]
+    wall = time.perf_counter() - t0
+
+    command = "python benchmarks/run_all.py" + (" " + shlex.join(sys.argv[1:]) if sys.argv[1:] else "")
+    header = [
+        "# Benchmark results"
+        + (" (QUICK SMOKE PASS: a few steps per run; not benchmark figures)" if args.quick else ""),
+        "",
+        f"- Machine: {info['cores']} CPU cores ({info['cpu']}), {info['memory']} memory"
+        + (f", GPU {info['gpu']}" if info["gpu"] else ", no GPU"),
+        f"- Software: PyTorch {info['torch']}, torchvision {info['torchvision']}, "
+        f"Python {info['python']}, {info['os']}",
+        f"- Date: {time.strftime('%Y-%m-%d %H:%M', started)} UTC; commit {info['commit']}; "
+        f"{wall / 60:.1f} minutes in all",
+        f"- Command: `{command}` (runs one after another; compare figures within one run, as ratios)",
+    ]
+    if load_before is not None:
+        # Anything else running distorts every figure: the 1-minute load average shows it.
+        header.append(
+            f"- Load average (1 min) at the start: {load_before:.2f} (well above 0 means other work was running)"
+        )
+    if runner.removed_omp is not None:
+        header.append(f"- OMP_NUM_THREADS={runner.removed_omp} was set in the shell; removed for the runs")
+    markdown = "\n".join(header + [""] + body).rstrip() + "\n"
+    print(markdown)
+
+    (results_dir / "results.md").write_text(markdown)
+    results = dict(
+        machine=dict(info, load_average_at_start=load_before),
+        command=command,
+        date=time.strftime("%Y-%m-%dT%H:%M:%SZ", started),
+        quick=args.quick,
+        wall_seconds=wall,
+    )
+    results.update(sections=data, runs=runner.runs)
+    (results_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    if curves and plot(curves, results_dir / "accuracy_vs_time.png"):
+        log(f"wrote {results_dir / 'accuracy_vs_time.png'}")
+    else:
+        log(
+            "no plot: matplotlib is not installed (pip install -r benchmarks/requirements.txt)" if curves else "no plot"
+        )
+    log(f"wrote {results_dir / 'results.md'} and results.json in {wall / 60:.1f} minutes")
+
+
+if __name__ == "__main__":
+    main()
