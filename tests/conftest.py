@@ -1,0 +1,199 @@
+"""Shared helpers: start the scripts as real processes, read what they wrote, compare weights.
+
+Every multi-process run is real (torchrun, mp.spawn, or several plain processes under a
+fake launcher environment), on CPU with gloo, and small: synthetic data, a few steps.
+"""
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import common
+import ddp_train
+
+ROOT = Path(__file__).resolve().parent.parent
+# CPU and gloo even where a GPU is present: the tests are about the logic, not the device.
+SYNTHETIC = ["--data", "synthetic", "--device", "cpu"]
+# A peer that never arrives ends a run after a minute instead of the default five.
+DIST_TIMEOUT = ["--dist-timeout", "60"]
+# Variables through which a launcher tells a process its rank; none may leak from the
+# environment pytest runs in (say, a SLURM job) into the runs that tests start.
+LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "MPI_LOCALRANKID",
+    "MPI_LOCALNRANKS",
+)
+LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_")
+# The output contract: keys every metrics.jsonl line has.
+METRIC_KEYS = {"epoch", "train_loss", "test_loss", "test_acc", "epoch_seconds", "samples_per_second"}
+
+
+def is_launcher_var(name):
+    return name in LAUNCHER_VARS or name.startswith(LAUNCHER_PREFIXES)
+
+
+def clean_env(omp_threads="1", **extra):
+    """os.environ without launcher variables, plus `extra`. OMP_NUM_THREADS=1 keeps several
+    processes from fighting over the cores; omp_threads=None leaves it unset."""
+    env = {k: v for k, v in os.environ.items() if not is_launcher_var(k) and k != "OMP_NUM_THREADS"}
+    if omp_threads is not None:
+        env["OMP_NUM_THREADS"] = omp_threads
+    env.update(extra)
+    return env
+
+
+def _report(cmd, proc):
+    command = " ".join(map(str, cmd))
+    return f"{command}\nexit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+
+
+def run_python(args, env=None, timeout=180, check=True):
+    """Run `python ARGS` in the repository root; return the CompletedProcess."""
+    cmd = [sys.executable, *map(str, args)]
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=env or clean_env(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError("command failed:\n" + _report(cmd, proc))
+    return proc
+
+
+def torchrun(nproc, args, timeout=180, check=True):
+    """torchrun --standalone (it picks its own free port) with nproc processes."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return run_python(launcher + list(args), timeout=timeout, check=check)
+
+
+def run_ranks(args, envs, timeout=180):
+    """Start one `python ARGS` per environment in `envs` (one per rank) and wait for all.
+    Raises with every rank's output if one fails; a hung rank is killed at the timeout."""
+    cmd = [sys.executable, *map(str, args)]
+    procs = [
+        subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for env in envs
+    ]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(cmd, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    if any(r.returncode != 0 for r in results):
+        raise AssertionError("a rank failed:\n" + "\n".join(_report(cmd, r) for r in results))
+    return results
+
+
+def free_port(low=None, high=None):
+    """A TCP port that is free now; within [low, high) when given."""
+    for _ in range(200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", random.randrange(low, high) if low else 0))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("no free port found")
+
+
+def read_metrics(out_dir):
+    lines = (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def load_ckpt(out_dir_or_path):
+    path = Path(out_dir_or_path)
+    if path.is_dir():
+        path = path / "checkpoint.pt"
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_state_close(actual, expected, atol=1e-5, rtol=0.0):
+    """Two state dicts have the same keys and every tensor agrees within the tolerance."""
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], atol=atol, rtol=rtol, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def max_abs_diff(a, b):
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def single_process_eval(ckpt_path, argv):
+    """Loss and accuracy of a checkpoint on the whole test set, computed here by one process
+    the way the scripts do it (same loader, batch size and memory format): the reference
+    that every world size must reproduce."""
+    args = ddp_train.get_args(argv)
+    train_set, test_set, num_classes, in_channels = common.load_datasets(args.data, args.data_dir)
+    info = common.DistInfo(False, 0, 0, 1, 1, torch.device("cpu"))
+    _, _, test_loader = ddp_train.build_loaders(args, train_set, test_set, info)
+    model = common.build_model(args.model, in_channels, num_classes)
+    model.load_state_dict(load_ckpt(ckpt_path)["model"])
+    model = model.to(memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
+    return common.evaluate(model, test_loader, info.device)
+
+
+@pytest.fixture
+def no_launcher(monkeypatch):
+    """This process looks like a plain `python script.py`: no launcher variables, no
+    OMP_NUM_THREADS, and whatever the code under test writes to os.environ is undone."""
+    for name in list(os.environ):
+        if is_launcher_var(name) or name == "OMP_NUM_THREADS":
+            monkeypatch.delenv(name)
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        # set, then delete: monkeypatch then restores "absent" even if the code sets it
+        monkeypatch.setenv(name, "unset")
+        monkeypatch.delenv(name)
+    threads = torch.get_num_threads()
+    yield monkeypatch
+    torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------------------
+# Runs that several test files use, made once per session.
+
+# 5 steps of the MLP (no BatchNorm, so DDP equals one process up to rounding) at a rate
+# high enough that the weights move far more than the parity tolerance.
+MLP_ARGS = [*SYNTHETIC, "--model", "mlp", "--max-steps", "5", "--lr", "0.8", "--warmup", "0", *DIST_TIMEOUT]
+# The default CNN, 3 epochs: learns the synthetic set to > 80% test accuracy.
+CNN_ARGS = [*SYNTHETIC, "--epochs", "3", "--lr", "0.05", *DIST_TIMEOUT]
+
+
+@pytest.fixture(scope="session")
+def mlp_reference(tmp_path_factory):
+    """One process, batch 32: the reference for every 2-process parity run (2 x 16)."""
+    out = tmp_path_factory.mktemp("mlp_reference")
+    run_python(["ddp_train.py", *MLP_ARGS, "--batch-size", "32", "--output-dir", out])
+    return out
+
+
+@pytest.fixture(scope="session")
+def ddp_run(tmp_path_factory):
+    """ddp_train.py under torchrun with 2 processes, 3 epochs of the CNN."""
+    out = tmp_path_factory.mktemp("ddp_run")
+    proc = torchrun(2, ["ddp_train.py", *CNN_ARGS, "--output-dir", out])
+    return out, proc

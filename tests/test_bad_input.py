@@ -1,0 +1,176 @@
+"""Bad input ends with one line that starts with "error:", exit status 1, and nothing
+written to the output directory. A few cases run as real processes (what a user sees on
+the terminal); the rest call main() here, where SystemExit carries the same message."""
+
+import argparse
+import random
+
+import pytest
+import torch
+from conftest import SYNTHETIC, run_python
+
+import common
+import ddp_mp_spawn
+import ddp_train
+import dp_train
+
+CHEAP = [*SYNTHETIC, "--epochs", "1", "--max-steps", "1"]
+JUNK = random.Random(0).randbytes(4096)  # a corrupt file, the same in every run
+
+
+def assert_untouched(out_dir, before=()):
+    """The output directory holds what it held before the run (nothing, or `before`)."""
+    assert not out_dir.exists() or sorted(p.name for p in out_dir.iterdir()) == sorted(before)
+
+
+def error_line(excinfo):
+    message = excinfo.value.code
+    assert isinstance(message, str), message  # a string code: Python prints it and exits 1
+    assert message.startswith("error: ") and "\n" not in message, message
+    return message
+
+
+def fails(main, argv):
+    with pytest.raises(SystemExit) as excinfo:
+        main(argv)
+    return error_line(excinfo)
+
+
+def real_checkpoint(path, model="cnn"):
+    torch.save(dict(model=common.build_model(model, 1, 10).state_dict(), epoch=1), path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------
+# As real processes
+
+
+@pytest.mark.parametrize("case", ["missing-data", "flag-value", "corrupt-checkpoint"])
+def test_one_line_error_from_a_real_process(tmp_path, case):
+    out = tmp_path / "out"
+    argv = {
+        "missing-data": ["--data", "mnist", "--data-dir", tmp_path / "empty"],
+        "flag-value": ["--batch-size", "0"],
+        "corrupt-checkpoint": [*CHEAP, "--resume", tmp_path / "bad.pt"],
+    }[case]
+    (tmp_path / "bad.pt").write_bytes(JUNK)
+    proc = run_python(["ddp_train.py", *argv, "--output-dir", out], timeout=120, check=False)
+    assert proc.returncode == 1, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    # torch may warn before; the message is the last line and there is no traceback.
+    assert lines and lines[-1].startswith("error: "), proc.stderr
+    assert sum(line.startswith("error:") for line in lines) == 1 and "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+    assert_untouched(out)
+
+
+# ----------------------------------------------------------------------------------------
+# In this process
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--batch-size", "0"], "--batch-size"),
+        (["--epochs", "-1"], "--epochs"),
+        (["--accum-steps", "0"], "--accum-steps"),
+        (["--lr", "0"], "--lr"),
+        (["--warmup", "1.5"], "--warmup"),
+        (["--max-steps", "-1"], "--max-steps"),
+        (["--eval-only"], "--resume"),
+        (["--model", "transformer"], "--model"),
+        (["--data", "imagenet"], "--data"),
+        (["--epochs", "two"], "--epochs"),
+        (["--no-such-flag"], "--no-such-flag"),
+    ],
+)
+def test_impossible_flags(no_launcher, tmp_path, flags, words):
+    assert words in fails(ddp_train.main, [*flags, "--output-dir", str(tmp_path / "out")])
+    assert_untouched(tmp_path / "out")
+
+
+@pytest.mark.parametrize("data", ["mnist", "fashion-mnist", "cifar10", "imagefolder"])
+def test_missing_data(no_launcher, monkeypatch, tmp_path, data):
+    # Fashion-MNIST would fall back to Debian's package where it is installed: pretend it is not.
+    monkeypatch.setattr(common, "_debian_fashion_mnist_dir", lambda: None)
+    message = fails(
+        ddp_train.main, ["--data", data, "--data-dir", str(tmp_path / "nothing"), "--output-dir", str(tmp_path / "out")]
+    )
+    assert str(tmp_path / "nothing") in message
+    if data != "imagefolder":
+        assert "--download" in message  # the way out is named
+    assert_untouched(tmp_path / "out")
+
+
+def unsafe_checkpoint(path):
+    # A pickled object other than tensors and containers: weights_only=True must refuse it.
+    torch.save(dict(model={}, args=argparse.Namespace(lr=1)), path)
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        pytest.param(
+            lambda p: p.write_bytes(JUNK),
+            "cannot read checkpoint",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="bug: common.load_checkpoint calls any weights_only UnpicklingError (here 'Unsupported "
+                "operand') 'pickled objects other than tensors (unsafe)'; only 'Unsupported global' means that",
+            ),
+        ),
+        (lambda p: p.write_bytes(real_checkpoint(p).read_bytes()[:20000]), "cannot read checkpoint"),
+        (lambda p: p.write_bytes(b""), "cannot read checkpoint"),
+        (lambda p: torch.save([1, 2, 3], p), "not a checkpoint"),
+        (unsafe_checkpoint, "refused"),
+        (lambda p: real_checkpoint(p, model="mlp"), "does not fit"),
+        (lambda p: None, "does not exist"),
+    ],
+    ids=["random-bytes", "truncated", "empty", "not-a-dict", "unsafe-pickle", "other-model", "missing"],
+)
+def test_bad_checkpoint(no_launcher, tmp_path, make, words):
+    ckpt = tmp_path / "in.pt"
+    make(ckpt)
+    for extra in ([], ["--eval-only"]):
+        message = fails(ddp_train.main, [*CHEAP, *extra, "--resume", str(ckpt), "--output-dir", str(tmp_path / "out")])
+        assert words in message and str(ckpt) in message
+        assert_untouched(tmp_path / "out")
+
+
+def test_corrupt_checkpoint_in_output_dir_is_not_overwritten(no_launcher, tmp_path):
+    # Automatic resume finds OUTPUT_DIR/checkpoint.pt: a damaged one stops the run and stays
+    # as it was (the user may want to look at it), rather than being trained over.
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "checkpoint.pt").write_bytes(JUNK)
+    assert str(out / "checkpoint.pt") in fails(ddp_train.main, [*CHEAP, "--output-dir", str(out)])
+    assert_untouched(out, before=["checkpoint.pt"])
+    assert (out / "checkpoint.pt").read_bytes() == JUNK
+
+
+def test_sync_bn_on_cpu(no_launcher, tmp_path):
+    assert "--sync-bn" in fails(ddp_train.main, [*CHEAP, "--sync-bn", "--device", "cpu"])
+
+
+def test_cuda_without_gpu(no_launcher, tmp_path):
+    no_launcher.setattr(torch.cuda, "is_available", lambda: False)
+    assert "CUDA" in fails(ddp_train.main, [*CHEAP, "--device", "cuda", "--output-dir", str(tmp_path / "out")])
+    assert_untouched(tmp_path / "out")
+
+
+def test_mp_spawn_bad_nprocs(no_launcher):
+    assert "--nprocs" in fails(ddp_mp_spawn.main, ["--nprocs", "0", *CHEAP])
+
+
+def test_mp_spawn_checks_training_flags_before_spawning(no_launcher):
+    assert "--batch-size" in fails(ddp_mp_spawn.main, ["--nprocs", "2", "--batch-size", "0"])
+
+
+def test_dp_train_refuses_several_processes(no_launcher, tmp_path):
+    no_launcher.setenv("WORLD_SIZE", "2")
+    assert "torchrun" in fails(dp_train.main, [*CHEAP, "--output-dir", str(tmp_path / "out")])
+    assert_untouched(tmp_path / "out")
+
+
+def test_batch_larger_than_a_shard(no_launcher, tmp_path):
+    assert "--batch-size" in fails(ddp_train.main, [*SYNTHETIC, "--batch-size", "4096"])

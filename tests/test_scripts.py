@@ -1,0 +1,52 @@
+"""Each script end to end on synthetic data: it trains, writes the output contract
+(metrics.jsonl and a checkpoint whose weights load into a plain model), and learns."""
+
+import re
+
+from conftest import CNN_ARGS, METRIC_KEYS, assert_state_close, load_ckpt, read_metrics, run_python
+
+import common
+
+CHECKPOINT_KEYS = {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "steps_per_epoch", "world_size", "rng"}
+
+
+def check_outputs(out_dir, stdout, world_size):
+    metrics = read_metrics(out_dir)
+    assert [m["epoch"] for m in metrics] == [0, 1, 2]
+    for m in metrics:
+        assert m.keys() >= METRIC_KEYS
+        assert m["world_size"] == world_size
+        assert 0 <= m["test_acc"] <= 1 and m["epoch_seconds"] > 0 and m["samples_per_second"] > 0
+    # Chance is 0.1; the synthetic classes are easy to tell apart once learnt.
+    assert metrics[-1]["test_acc"] > 0.8
+    # One summary line per epoch: printed by rank 0 only.
+    assert re.findall(r"^epoch (\d+):", stdout, re.M) == ["0", "1", "2"]
+
+    ckpt = load_ckpt(out_dir)
+    assert ckpt.keys() >= CHECKPOINT_KEYS
+    assert (ckpt["epoch"], ckpt["world_size"]) == (3, world_size)
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in ckpt["model"])
+    model = common.build_model("cnn", 1, 10)
+    model.load_state_dict(ckpt["model"], strict=True)
+    return ckpt
+
+
+def test_ddp_train_torchrun(ddp_run):
+    out, proc = ddp_run
+    assert "2 process(es)" in proc.stdout
+    check_outputs(out, proc.stdout, world_size=2)
+
+
+def test_ddp_mp_spawn(ddp_run, tmp_path):
+    proc = run_python(["ddp_mp_spawn.py", "--nprocs", "2", *CNN_ARGS, "--output-dir", tmp_path])
+    assert "2 process(es)" in proc.stdout
+    ckpt = check_outputs(tmp_path, proc.stdout, world_size=2)
+    # The same training as under torchrun, only launched differently: the same weights.
+    assert_state_close(ckpt["model"], load_ckpt(ddp_run[0])["model"], atol=1e-6)
+
+
+def test_dp_train(tmp_path):
+    # --batch-size is DataParallel's whole batch: 256 matches 2 DDP processes of 128 each.
+    proc = run_python(["dp_train.py", *CNN_ARGS, "--batch-size", "256", "--output-dir", tmp_path])
+    assert "1 process(es)" in proc.stdout
+    check_outputs(tmp_path, proc.stdout, world_size=1)
