@@ -6,11 +6,13 @@ Only what two or more scripts need lives here; each strategy stays in its own fi
 
 import argparse
 import datetime
+import glob
 import gzip
 import json
 import os
 import random
 import re
+import shutil
 import subprocess
 from pathlib import Path
 from typing import NamedTuple
@@ -178,15 +180,19 @@ def init_distributed_mode(
                     "MASTER_PORT (a free port), e.g. mpirun -x MASTER_ADDR=host -x MASTER_PORT=29500"
                 )
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, master_port
+        check_restart()
         # The timeout bounds rendezvous and every collective: a peer that never arrives or
         # dies ends the job with an error instead of a hang.
-        dist.init_process_group(
-            backend,
-            rank=found["rank"],
-            world_size=found["world_size"],
-            timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=dev if use_cuda else None,
-        )
+        try:
+            dist.init_process_group(
+                backend,
+                rank=found["rank"],
+                world_size=found["world_size"],
+                timeout=datetime.timedelta(seconds=timeout_s),
+                device_id=dev if use_cuda else None,
+            )
+        except RuntimeError as e:  # DistStoreError, DistNetworkError and gloo's errors alike
+            _fail_init(e, found, timeout_s)
     return DistInfo(
         distributed,
         found["rank"],
@@ -195,6 +201,49 @@ def init_distributed_mode(
         found["local_world_size"],
         dev,
     )
+
+
+def first_line(error):
+    """An exception's first line, without the C++ source locations ("[.../pair.cc:152]")
+    that gloo and c10d put into their messages."""
+    text = str(error).strip()
+    line = text.splitlines()[0] if text else type(error).__name__
+    return re.sub(r"\[[^\]]*:\d+\]\s*", "", line)
+
+
+def check_restart():
+    """Refuse a torchrun restart that would hang or fail to connect.
+
+    Seen with torch 2.14: on a restart, torchrun hands the new workers the store of the
+    failed attempt (its static rendezvous always; c10d unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1),
+    and it still holds the dead workers' addresses. Whether the new group then connects,
+    fails, or hangs inside gloo past every timeout is a matter of timing; stop it cleanly.
+    """
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if restart and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        fail(
+            f"torchrun restart {restart} cannot work with this launch: the new workers would get the store "
+            "that still holds the dead ones' addresses; launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and "
+            "--standalone (one node) or --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT (several nodes), "
+            "and --output-dir to resume"
+        )
+
+
+def _fail_init(error, found, timeout_s):
+    """Explain why the process group did not form, in one line."""
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    me = f"rank {found['rank']} of {found['world_size']}"
+    if isinstance(error, dist.DistNetworkError):  # nothing listens where rank 0 should be
+        fail(
+            f"{me}: rank 0 did not answer at {where} within --dist-timeout {timeout_s:g} s "
+            f"({first_line(error)}); is it running, and is that its address?"
+        )
+    if isinstance(error, dist.DistStoreError):  # rank 0's store waited for the others in vain
+        fail(
+            f"{me}: a peer did not join at {where} within --dist-timeout {timeout_s:g} s ({first_line(error)}); "
+            "start every process with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE"
+        )
+    fail(f"could not start the process group at {where}: {first_line(error)}")
 
 
 def cleanup():
@@ -538,6 +587,10 @@ def atomic_write(path, write):
     """Call write(tmp_path), then rename over `path`: a crash mid-write leaves the previous
     file intact, never a truncated one (rename is atomic on POSIX file systems)."""
     path = Path(path)
+    # A writer killed mid-write (SIGKILL skips the `finally` below) leaves its temp file
+    # behind; it is never read, and the next write clears it away.
+    for stale in path.parent.glob(glob.escape(f".{path.name}.tmp") + "*"):
+        stale.unlink(missing_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         write(tmp)
@@ -586,9 +639,14 @@ def load_model_state(model, state_dict, path):
         fail(f"checkpoint {path} does not fit this model (another --model or class count?): {detail}")
 
 
-def check_output_dir(path):
-    """Create the output directory and prove it is writable now, not after an hour of training."""
+def check_output_dir(path, need_bytes=0):
+    """Create the output directory and prove it is writable, with room for a checkpoint of
+    about `need_bytes`: a full disk is found now, not after an hour of training."""
     path = Path(path)
+    existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    if free < need_bytes:
+        fail(f"output directory {path} has {free >> 20} MiB free; a checkpoint needs about {need_bytes >> 20} MiB")
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write-test{os.getpid()}"

@@ -3,7 +3,8 @@
 The training is ddp_train.py's, imported rather than copied; only the launch differs. One
 parent process starts --nprocs children on this node, each calling ddp_train.main() with
 its rank. Use it where torchrun is not available or a notebook/IDE must start the job; use
-torchrun for several nodes and for restarts after a failure (mp.spawn does neither).
+torchrun for several nodes and for restarts after a failure (mp.spawn does neither: when
+one process dies it stops the others and exits; a rerun with the same --output-dir resumes).
 
 Launch:
     python ddp_mp_spawn.py --nprocs 2                     # 2 processes (CPU: gloo)
@@ -60,6 +61,8 @@ def main(argv=None):
     if args.nprocs < 1:
         fail(f"--nprocs must be at least 1, got {args.nprocs}")
     train_args = ddp_train.get_args(rest)  # fail on bad flags here, before starting children
+    if train_args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda was asked for, but this machine has no usable CUDA device")
     use_cuda = train_args.device == "cuda" or (train_args.device == "auto" and torch.cuda.is_available())
     if use_cuda and args.nprocs > torch.cuda.device_count():
         fail(f"--nprocs {args.nprocs} is more than the {torch.cuda.device_count()} GPU(s) here")
@@ -73,7 +76,12 @@ def main(argv=None):
         # join=True: wait for all; if one child fails, spawn terminates the others.
         mp.spawn(worker, args=(args.nprocs, rest), nprocs=args.nprocs, join=True)
     except mp.ProcessExitedException as e:
-        fail(f"process {e.error_index} of {args.nprocs} exited with code {e.exit_code}; the others were stopped")
+        if not e.signal_name:  # the child said why itself (its "error: ..." line is above)
+            fail(f"process {e.error_index} of {args.nprocs} exited with code {e.exit_code}; the others were stopped")
+        # Killed (out of memory, pre-empted): mp.spawn never restarts a process (torchrun
+        # --max-restarts does), but a rerun picks up the last checkpoint.
+        again = f"; rerun to resume from {train_args.output_dir}" if train_args.output_dir else ""
+        fail(f"process {e.error_index} of {args.nprocs} was killed by {e.signal_name}; the others were stopped{again}")
     except mp.ProcessRaisedException as e:
         last = str(e).strip().splitlines()[-1]
         fail(f"process {e.error_index} of {args.nprocs} raised {last}; the others were stopped")

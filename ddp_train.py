@@ -11,8 +11,14 @@ Launch (the same file, nothing to edit; see README.md for SLURM and mpirun):
     torchrun --standalone --nproc_per_node=2 ddp_train.py   # one node, 2 processes
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
         --rdzv-endpoint=HOST:29500 --rdzv-id=myjob ddp_train.py   # on every node
-    torchrun --standalone --nproc_per_node=2 --max-restarts=3 ddp_train.py \\
-        --output-dir runs/ddp                               # restarts resume from runs/ddp
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 \\
+        --max-restarts=3 ddp_train.py --output-dir runs/ddp --save-every 200   # restarts
+
+A restart (or a rerun with the same --output-dir) resumes from the last snapshot, in the
+middle of an epoch where --save-every wrote one. Restarts need --standalone or
+--rdzv-backend=c10d, and, with torch 2.14, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: otherwise
+torchrun hands the restarted workers a store that still holds the dead ones' addresses, and
+the new group may fail to connect or hang; this script then refuses the restart, saying so.
 
 Learning rate: --batch-size is per process, so the global batch is
 batch_size x world_size x accum_steps, and --lr is the peak rate for a global batch of 256,
@@ -26,6 +32,7 @@ test accuracy; README.md gives the measured figures and the command that produce
 import argparse
 import contextlib
 import functools
+import itertools
 import math
 import time
 from pathlib import Path
@@ -50,6 +57,7 @@ from common import (
     eval_shard,
     evaluate,
     fail,
+    first_line,
     init_distributed_mode,
     load_checkpoint,
     load_datasets,
@@ -100,6 +108,9 @@ def get_args(argv=None):
         "--max-steps", type=int, default=0, help="stop after this many optimizer steps (smoke runs); 0: no limit"
     )
     p.add_argument("--output-dir", default=None, help="where checkpoint.pt and metrics.jsonl go; none: write nothing")
+    p.add_argument(
+        "--save-every", type=int, default=0, help="steps between mid-epoch snapshots; 0: at the end of each epoch only"
+    )
     p.add_argument("--log-every", type=int, default=50, help="steps between progress updates (and non-finite checks)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if present")
     p.add_argument("--backend", default=None, choices=["gloo", "nccl", "mpi"], help="default: nccl on CUDA, else gloo")
@@ -111,8 +122,10 @@ def get_args(argv=None):
     for name in ("lr", "dist_timeout"):
         if not getattr(args, name) > 0:
             fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.max_steps < 0 or args.clip_grad < 0 or args.workers < 0:
-        fail("--max-steps, --clip-grad and --workers cannot be negative")
+    if args.max_steps < 0 or args.clip_grad < 0 or args.workers < 0 or args.save_every < 0:
+        fail("--max-steps, --clip-grad, --workers and --save-every cannot be negative")
+    if args.save_every and not args.output_dir:
+        fail("--save-every needs --output-dir (where the snapshots go)")
     if not 0 <= args.warmup < 1:
         fail(f"--warmup is a fraction of the run, in [0, 1); got {args.warmup}")
     if args.eval_only and not args.resume:
@@ -153,8 +166,10 @@ def check_finite(totals, first_bad_step, info):
     )
 
 
-def train_one_epoch(model, loader, optimizer, scheduler, scaler, autocast, args, info, step, steps):
-    """One pass over this rank's shard; returns (mean train loss over all ranks, step)."""
+def train_one_epoch(model, loader, optimizer, scheduler, scaler, autocast, args, info, step, steps, snapshot=None):
+    """One pass over this rank's shard (or what is left of it after a mid-epoch resume);
+    returns (mean train loss over all ranks, step, steps done). `snapshot(step)` saves a
+    checkpoint; it is called every --save-every steps (never with --save-every 0)."""
     model.train()
     device = info.device
     # Running sums stay on the device: a .item() per step would stall a GPU every step.
@@ -162,49 +177,68 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, autocast, args,
     count = torch.zeros((), device=device, dtype=torch.float64)
     first_bad_step = torch.full((), math.inf, device=device, dtype=torch.float64)
     memory_format = torch.channels_last if args.channels_last else torch.preserve_format
-    bar = tqdm(total=steps, desc=f"step {step}", disable=info.rank != 0, mininterval=1.0, leave=False)
     done = 0
-    for i, (images, labels) in enumerate(loader):
-        images = images.to(device, non_blocking=True, memory_format=memory_format)
-        labels = labels.to(device, non_blocking=True)
-        # With gradient accumulation only the last micro-batch all-reduces: no_sync() keeps
-        # the others' gradients local, where they add up in .grad (one all-reduce per step).
-        last_micro = (i + 1) % args.accum_steps == 0
-        sync = contextlib.nullcontext() if last_micro or not info.distributed else model.no_sync()
-        with sync:
-            with autocast():
-                loss = F.cross_entropy(model(images), labels, label_smoothing=args.label_smoothing)
-            # Mean over micro-batches: each contributes 1/accum of the step's gradient.
-            scaler.scale(loss / args.accum_steps).backward()
-        loss = loss.detach()
-        loss_sum += loss * labels.numel()
-        count += labels.numel()
-        first_bad_step = torch.where(torch.isfinite(loss), first_bad_step, torch.clamp(first_bad_step, max=step))
-        if not last_micro:
-            continue
-        if args.clip_grad > 0:
-            scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
-            nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
-        scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        step += 1
-        done += 1
-        bar.update()
-        last = done == steps or step == args.max_steps
-        if step % args.log_every == 0 or last:
-            # One all-reduce every log_every steps (all ranks participate): it feeds the
-            # progress bar and lets every rank agree to stop on a non-finite loss.
-            totals = reduce_value(torch.stack([loss_sum, count]))
-            check_finite(totals, first_bad_step, info)
-            bar.set_description(f"step {step}")
-            bar.set_postfix(loss=f"{totals[0].item() / totals[1].item():.4f}", lr=f"{scheduler.get_last_lr()[0]:.3g}")
-        if last:
-            break
-    bar.close()
+    # `with` closes the bar also when a non-finite loss stops the run, so the error is a line of its own.
+    with tqdm(total=steps, desc=f"step {step}", disable=info.rank != 0, mininterval=1.0, leave=False) as bar:
+        for i, (images, labels) in enumerate(loader):
+            images = images.to(device, non_blocking=True, memory_format=memory_format)
+            labels = labels.to(device, non_blocking=True)
+            # With gradient accumulation only the last micro-batch all-reduces: no_sync() keeps
+            # the others' gradients local, where they add up in .grad (one all-reduce per step).
+            last_micro = (i + 1) % args.accum_steps == 0
+            sync = contextlib.nullcontext() if last_micro or not info.distributed else model.no_sync()
+            with sync:
+                with autocast():
+                    loss = F.cross_entropy(model(images), labels, label_smoothing=args.label_smoothing)
+                # Mean over micro-batches: each contributes 1/accum of the step's gradient.
+                scaler.scale(loss / args.accum_steps).backward()
+            loss = loss.detach()
+            loss_sum += loss * labels.numel()
+            count += labels.numel()
+            first_bad_step = torch.where(torch.isfinite(loss), first_bad_step, torch.clamp(first_bad_step, max=step))
+            if not last_micro:
+                continue
+            if args.clip_grad > 0:
+                scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
+                nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+            scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            step += 1
+            done += 1
+            bar.update()
+            last = done == steps or step == args.max_steps
+            save = snapshot and args.save_every and step % args.save_every == 0 and not last
+            if step % args.log_every == 0 or last or save:
+                # One all-reduce every log_every steps (all ranks participate): it feeds the
+                # progress bar and lets every rank agree to stop on a non-finite loss. Also
+                # before every snapshot, so NaN weights never replace a good checkpoint.
+                totals = reduce_value(torch.stack([loss_sum, count]))
+                check_finite(totals, first_bad_step, info)
+                bar.set_description(f"step {step}")
+                loss_now = totals[0].item() / totals[1].item()
+                bar.set_postfix(loss=f"{loss_now:.4f}", lr=f"{scheduler.get_last_lr()[0]:.3g}")
+            if save:
+                snapshot(step)  # a mid-epoch checkpoint; all ranks participate
+            if last:
+                break
     totals = reduce_value(torch.stack([loss_sum, count]))
     return (totals[0] / totals[1]).item(), step, done
+
+
+class ResumableSampler(DistributedSampler):
+    """A DistributedSampler that can start part-way into an epoch. Its order depends only on
+    (seed, epoch), so leaving out the first `skip` indices of this rank's shard continues a
+    mid-epoch snapshot exactly: no sample trained twice or missed, none loaded for nothing."""
+
+    skip = 0  # indices to leave out, in the current epoch
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self):
+        return super().__len__() - self.skip
 
 
 def build_loaders(args, train_set, test_set, info):
@@ -213,7 +247,7 @@ def build_loaders(args, train_set, test_set, info):
     # DistributedSampler hands each rank a disjoint 1/world of a permutation that depends
     # on (seed, epoch); drop_last trims the set to a multiple of world instead of padding it
     # with repeated samples. set_epoch() below makes every epoch's order new.
-    train_sampler = DistributedSampler(
+    train_sampler = ResumableSampler(
         train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True
     )
     loader_args = dict(
@@ -250,7 +284,6 @@ def train(args, info, wrap=wrap_ddp):
         fail("--sync-bn needs CUDA: SyncBatchNorm has no CPU implementation")
     if args.amp == "fp16" and device.type == "cpu":
         print0("note: --amp fp16 on CPU is slow; bf16 is the CPU's mixed-precision type")
-    out = check_output_dir(args.output_dir) if args.output_dir and is_main else None
 
     # Same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
     seed_everything(args.seed)
@@ -273,6 +306,12 @@ def train(args, info, wrap=wrap_ddp):
     model = model.to(device, memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
     raw_model = model  # the bare module: saved, loaded and evaluated without wrappers
 
+    # Only now, with data and flags found good, is anything written: a run that stops on bad
+    # input leaves no half-made output directory. A checkpoint holds the weights and SGD's
+    # momentum buffer of the same size; atomic saving writes it beside the previous one.
+    model_bytes = sum(t.numel() * t.element_size() for t in raw_model.state_dict().values())
+    out = check_output_dir(args.output_dir, need_bytes=2 * model_bytes) if args.output_dir and is_main else None
+
     global_batch = args.batch_size * world * args.accum_steps
     lr = args.lr * global_batch / 256  # linear scaling rule
     optimizer = torch.optim.SGD(
@@ -283,7 +322,7 @@ def train(args, info, wrap=wrap_ddp):
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     autocast = functools.partial(torch.autocast, device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
 
-    start_epoch, step = 0, 0
+    step = 0  # optimizer steps so far; the position in the data is divmod(step, steps_per_epoch)
     resume = args.resume
     auto = Path(args.output_dir or "", "checkpoint.pt")
     if resume is None and args.output_dir and auto.is_file():
@@ -294,15 +333,19 @@ def train(args, info, wrap=wrap_ddp):
         if not args.eval_only:
             optimizer.load_state_dict(ckpt["optimizer"])
             scaler.load_state_dict(ckpt["scaler"])
-            start_epoch, step = ckpt["epoch"], ckpt["step"]
             if ckpt["world_size"] == world and ckpt["steps_per_epoch"] == steps_per_epoch:
+                step = ckpt["step"]
                 scheduler.load_state_dict(ckpt["scheduler"])
                 set_rng_state(ckpt["rng"][rank])
-            else:  # another world size: same point of the schedule, measured in epochs
-                for _ in range(start_epoch * steps_per_epoch):
+            else:
+                # Another world size shards each epoch differently, so the samples a half-done
+                # epoch has seen cannot be left out: that epoch starts again from its beginning
+                # (its first part is trained twice). The schedule resumes at the same point.
+                step = ckpt["epoch"] * steps_per_epoch
+                for _ in range(step):
                     scheduler.step()
-                step = start_epoch * steps_per_epoch
-            print0(f"resumed from {resume} at epoch {start_epoch} (step {step})")
+            epoch, epoch_step = divmod(step, steps_per_epoch)
+            print0(f"resumed from {resume} at epoch {epoch}, step {epoch_step} of {steps_per_epoch}")
 
     if args.eval_only:
         test_loss, test_acc = evaluate(raw_model, test_loader, device, autocast())
@@ -313,9 +356,36 @@ def train(args, info, wrap=wrap_ddp):
     if args.compile:
         model = torch.compile(model)  # compiled around DDP, so graph breaks follow its buckets
 
+    start_epoch = step // steps_per_epoch
     metrics_path = out / "metrics.jsonl" if out else None
     if metrics_path:
         trim_metrics(metrics_path, start_epoch)
+
+    def snapshot(step):
+        """Save everything needed to continue after `step` optimizer steps. All ranks
+        participate: every rank's RNG state goes in, so a resume at the same world size
+        continues exactly as if the run had not stopped."""
+        rngs = [rng_state()]
+        if info.distributed:
+            rngs = [None] * world
+            dist.all_gather_object(rngs, rng_state())
+        if out:  # global rank 0
+            epoch, epoch_step = divmod(step, steps_per_epoch)
+            state = dict(
+                model=raw_model.state_dict(),
+                optimizer=optimizer.state_dict(),
+                scheduler=scheduler.state_dict(),
+                scaler=scaler.state_dict(),
+                epoch=epoch,  # the epoch to continue (the next one after an epoch's end)
+                epoch_step=epoch_step,  # its optimizer steps already done
+                step=step,
+                steps_per_epoch=steps_per_epoch,
+                world_size=world,
+                rng=rngs,
+                args=vars(args),
+            )
+            save_checkpoint(state, out / "checkpoint.pt")
+
     print0(
         f"{args.model} on {args.data}: {world} process(es) on {device.type}, global batch {global_batch}, "
         f"peak lr {lr:.3g}, {steps_per_epoch} steps/epoch"
@@ -324,9 +394,13 @@ def train(args, info, wrap=wrap_ddp):
         if args.max_steps and step >= args.max_steps:
             break
         train_sampler.set_epoch(epoch)  # without it every epoch repeats epoch 0's order
+        # After a mid-epoch resume, leave out the samples of the steps already trained.
+        epoch_step = step - epoch * steps_per_epoch
+        train_sampler.skip = epoch_step * args.accum_steps * args.batch_size
+        steps_left = steps_per_epoch - epoch_step
         t0 = time.perf_counter()
         train_loss, step, done = train_one_epoch(
-            model, train_loader, optimizer, scheduler, scaler, autocast, args, info, step, steps_per_epoch
+            model, train_loader, optimizer, scheduler, scaler, autocast, args, info, step, steps_left, snapshot
         )
         epoch_seconds = time.perf_counter() - t0  # the loss all-reduce above synchronised
         test_loss, test_acc = evaluate(raw_model, test_loader, device, autocast())
@@ -347,28 +421,16 @@ def train(args, info, wrap=wrap_ddp):
         )
         if not args.output_dir:
             continue
-        # Every rank's RNG state, so that a resume at the same world size continues exactly.
-        rngs = [rng_state()]
-        if info.distributed:
-            rngs = [None] * world
-            dist.all_gather_object(rngs, rng_state())  # all ranks participate
-        if out:  # global rank 0
-            # metrics first: a crash before the checkpoint re-runs this epoch, and the resume
-            # trims its line, so every epoch appears once.
+        # Metrics first: a crash before the checkpoint re-runs (the rest of) this epoch, and
+        # the resume trims its line, so every epoch appears once. An epoch resumed in the
+        # middle reports the loss, time and speed of the part trained after the resume.
+        if out:
             append_metrics(metrics_path, record)
-            state = dict(
-                model=raw_model.state_dict(),
-                optimizer=optimizer.state_dict(),
-                scheduler=scheduler.state_dict(),
-                scaler=scaler.state_dict(),
-                epoch=epoch + 1,  # the next epoch to run
-                step=step,
-                steps_per_epoch=steps_per_epoch,
-                world_size=world,
-                rng=rngs,
-                args=vars(args),
-            )
-            save_checkpoint(state, out / "checkpoint.pt")
+        snapshot(step)  # all ranks participate
+
+
+# How gloo reports a peer that is gone (its socket closed) or silent past the timeout.
+PEER_FAILURES = ("closed by peer", "reset by peer", "Broken pipe", "Timed out waiting", "timeout caused pair closure")
 
 
 def main(argv=None, rank=None, world_size=None):
@@ -379,6 +441,16 @@ def main(argv=None, rank=None, world_size=None):
     )
     try:
         train(args, info)
+    except RuntimeError as e:
+        # A peer that died (killed, out of memory) or hung for --dist-timeout breaks the
+        # collectives of the others; gloo says so in a RuntimeError. Say it in one line.
+        if not info.distributed or not any(s in str(e) for s in PEER_FAILURES):
+            raise
+        detail = first_line(e).split(". ")[0]  # gloo adds a paragraph of general advice
+        fail(
+            f"rank {info.rank}: another process died or stopped responding ({detail}); the first error "
+            "of the job is the cause; rerun with the same --output-dir to resume from its last checkpoint"
+        )
     finally:
         cleanup()  # also when training raised: peers are not left waiting on a dead group
 
