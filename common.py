@@ -619,10 +619,10 @@ def load_checkpoint(path, device="cpu"):
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure to read is reported the same way
-        text = str(e)
-        if "weights_only" in text or "Unsupported global" in text:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+        if any("Unsupported global" in ln for ln in lines):  # a class or function it would have to call
             fail(f"refused to load {path}: it holds pickled objects other than tensors (unsafe)")
-        reason = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+        reason = next((ln for ln in lines if "WeightsUnpickler error" in ln), lines[0])
         fail(f"cannot read checkpoint {path} (truncated or not a PyTorch checkpoint): {reason}")
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict):
         fail(f"{path} is not a checkpoint of these scripts (no 'model' state dict in it)")

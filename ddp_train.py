@@ -72,8 +72,8 @@ from common import (
 )
 
 
-def get_args(argv=None):
-    p = ArgumentParser(description=__doc__.splitlines()[0])
+def get_args(argv=None, description=None):
+    p = ArgumentParser(description=description or __doc__.splitlines()[0])
     p.add_argument("--data", default="fashion-mnist", choices=DATASETS, help="data set")
     p.add_argument("--data-dir", default="data", help="root holding the data set (torchvision layout)")
     p.add_argument("--download", action="store_true", help="download the data set if missing")
@@ -223,8 +223,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, autocast, args,
                 snapshot(step)  # a mid-epoch checkpoint; all ranks participate
             if last:
                 break
-    totals = reduce_value(torch.stack([loss_sum, count]))
-    return (totals[0] / totals[1]).item(), step, done
+    return loss_now, step, done  # the last step's all-reduce summed the whole epoch
 
 
 class ResumableSampler(DistributedSampler):
@@ -331,6 +330,9 @@ def train(args, info, wrap=wrap_ddp):
         ckpt = load_checkpoint(resume, device)
         load_model_state(raw_model, ckpt["model"], resume)
         if not args.eval_only:
+            # The optimizer's state also brings back the old run's peak rate (OneCycleLR keeps
+            # it in the param groups); keep this run's, which may be scaled for another world size.
+            fresh = [{k: g[k] for k in ("initial_lr", "max_lr", "min_lr") if k in g} for g in optimizer.param_groups]
             optimizer.load_state_dict(ckpt["optimizer"])
             scaler.load_state_dict(ckpt["scaler"])
             if ckpt["world_size"] == world and ckpt["steps_per_epoch"] == steps_per_epoch:
@@ -342,6 +344,8 @@ def train(args, info, wrap=wrap_ddp):
                 # epoch has seen cannot be left out: that epoch starts again from its beginning
                 # (its first part is trained twice). The schedule resumes at the same point.
                 step = ckpt["epoch"] * steps_per_epoch
+                for group, lrs in zip(optimizer.param_groups, fresh, strict=True):
+                    group.update(lrs)
                 for _ in range(step):
                     scheduler.step()
             epoch, epoch_step = divmod(step, steps_per_epoch)
@@ -403,6 +407,11 @@ def train(args, info, wrap=wrap_ddp):
             model, train_loader, optimizer, scheduler, scaler, autocast, args, info, step, steps_left, snapshot
         )
         epoch_seconds = time.perf_counter() - t0  # the loss all-reduce above synchronised
+        if info.distributed:
+            # BatchNorm's running statistics are per rank until DDP copies rank 0's at the next
+            # forward; copy them now, so that every rank evaluates (and saves) the same model.
+            for buffer in raw_model.buffers():
+                dist.broadcast(buffer, src=0)  # all ranks participate
         test_loss, test_acc = evaluate(raw_model, test_loader, device, autocast())
         record = dict(
             epoch=epoch,

@@ -32,7 +32,7 @@ def wrap_data_parallel(model, info):
 
 
 def main(argv=None):
-    args = ddp_train.get_args(argv)
+    args = ddp_train.get_args(argv, description=__doc__.splitlines()[0])
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         fail("dp_train.py runs as one process; for several processes use ddp_train.py with torchrun")
     if args.sync_bn:

@@ -8,12 +8,6 @@ import pytest
 from conftest import CNN_ARGS, DIST_TIMEOUT, MLP_ARGS, SYNTHETIC, read_metrics, single_process_eval, torchrun
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: after the last step each rank's BatchNorm running statistics differ (DDP re-broadcasts "
-    "rank 0's only at the next forward), so ranks evaluate different models; broadcast raw_model's buffers "
-    "from rank 0 before evaluate() in ddp_train.train",
-)
 def test_training_run_evaluates_exactly(ddp_run):
     # metrics.jsonl keeps full precision: the 2-process figures of the last epoch were
     # computed on the very weights the checkpoint holds.

@@ -65,11 +65,6 @@ def test_resume_on_another_world_size_runs(stopped_run, resumed_on_one_process):
     assert metrics[-1]["test_acc"] > 0.5  # training went on from the checkpoint, not from scratch
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: optimizer.load_state_dict() brings back the old world's OneCycleLR max_lr/initial_lr/min_lr "
-    "in param_groups, so the rate stays scaled for the old global batch",
-)
 def test_resume_on_another_world_size_rescales_lr(resumed_on_one_process):
     # One process, batch 128: the peak rate is 0.05 x 128 / 256, and the schedule continues
     # from the same point in epochs. The lr logged after each epoch is the fresh schedule's.
