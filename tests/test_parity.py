@@ -6,9 +6,15 @@ global batch, and the learning rate is scaled by the global batch (not the per-p
 The MLP has no BatchNorm, whose statistics would legitimately differ per rank.
 """
 
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 from conftest import (
     MLP_ARGS,
+    ROOT,
     assert_state_close,
     clean_env,
     free_port,
@@ -90,4 +96,24 @@ def test_fake_launcher_matches_single_process(tmp_path, mlp_reference, launcher_
     ranks = run_ranks(["ddp_train.py", *MLP_ARGS, "--batch-size", "16", "--output-dir", tmp_path], envs)
     assert "2 process(es)" in ranks[0].stdout
     assert ranks[1].stdout == ""  # rank 1 prints nothing
+    check_parity(tmp_path, mlp_reference)
+
+
+# The real thing: Open MPI's mpirun starts the two processes. CI installs openmpi-bin and sets
+# REQUIRE_MPIRUN=1, so there a missing mpirun fails instead of skipping.
+def test_real_mpirun_matches_single_process(tmp_path, mlp_reference):
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        if os.environ.get("REQUIRE_MPIRUN") == "1":
+            pytest.fail("mpirun not found, but REQUIRE_MPIRUN=1 (apt-get install openmpi-bin)")
+        pytest.skip("mpirun not installed (apt-get install openmpi-bin)")
+    env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port(20000, 40000)))
+    # --allow-run-as-root: CI runs as root; --oversubscribe: 2 processes even on 1 core.
+    # -x passes the rendezvous variables to both processes.
+    cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "MASTER_ADDR", "-x", "MASTER_PORT"]
+    cmd += ["-x", "OMP_NUM_THREADS", sys.executable, "ddp_train.py", *MLP_ARGS, "--batch-size", "16"]
+    cmd += ["--output-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("2 process(es)") == 1  # rank 0 alone prints
     check_parity(tmp_path, mlp_reference)
