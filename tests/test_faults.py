@@ -192,7 +192,9 @@ def test_restart_that_cannot_work_is_refused_clearly(tmp_path, launch):
     text = log.read_text()
     assert code != 0 and not resumed_at(text), text
     refusals = re.findall(r"^error: torchrun restart 1 cannot work with this launch: .*", text, re.M)
-    assert len(refusals) == 2, text  # both restarted workers, in one line each
+    # One line per restarted worker that got that far: the first to refuse makes torchrun stop
+    # the other, which may still be starting up.
+    assert 1 <= len(refusals) <= 2, text
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in refusals[0] and "--standalone" in refusals[0]
     assert common.load_checkpoint(out / "checkpoint.pt")["epoch"] == 0  # the snapshot is kept for a rerun
 
