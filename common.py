@@ -462,6 +462,23 @@ def load_datasets(name, data_dir, download=False, image_size=224):
     return train, test, len(classes), train.images.shape[1]
 
 
+def random_crop_flip(images, pad=4):
+    """The standard CIFAR augmentation for a whole batch on its device: each image shifted by
+    up to `pad` pixels (a random crop of the zero-padded image) and flipped left-right with
+    probability 1/2. One indexing operation instead of a PIL transform per sample."""
+    n, _, h, w = images.shape
+    dev = images.device
+    padded = F.pad(images, (pad, pad, pad, pad)).permute(0, 2, 3, 1)  # (N, H+2p, W+2p, C)
+    dy = torch.randint(0, 2 * pad + 1, (n, 1, 1), device=dev)
+    dx = torch.randint(0, 2 * pad + 1, (n, 1, 1), device=dev)
+    flip = torch.rand(n, 1, 1, device=dev) < 0.5
+    y, x = torch.arange(h, device=dev).view(1, h, 1), torch.arange(w, device=dev).view(1, 1, w)
+    rows = (dy + y).expand(n, h, w)
+    cols = (dx + torch.where(flip, w - 1 - x, x)).expand(n, h, w)
+    batch = torch.arange(n, device=dev).view(n, 1, 1).expand(n, h, w)
+    return padded[batch, rows, cols].permute(0, 3, 1, 2)  # back to (N, C, H, W), NHWC in memory
+
+
 # ----------------------------------------------------------------------------------------
 # Models
 

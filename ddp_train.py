@@ -63,6 +63,7 @@ from common import (
     load_datasets,
     load_model_state,
     print0,
+    random_crop_flip,
     reduce_value,
     rng_state,
     save_checkpoint,
@@ -87,6 +88,7 @@ def get_args(argv=None, description=None):
     p.add_argument("--label-smoothing", type=float, default=0.1, help="for the training loss")
     p.add_argument("--schedule", default="onecycle", choices=["onecycle", "cosine"], help="lr schedule")
     p.add_argument("--warmup", type=float, default=0.2, help="fraction of all steps spent warming up")
+    p.add_argument("--augment", action="store_true", help="random crop and flip of each batch (use for CIFAR-10)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and shuffling")
     p.add_argument("--amp", default="none", choices=["none", "bf16", "fp16"], help="mixed precision")
@@ -176,12 +178,15 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, autocast, args,
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     count = torch.zeros((), device=device, dtype=torch.float64)
     first_bad_step = torch.full((), math.inf, device=device, dtype=torch.float64)
-    memory_format = torch.channels_last if args.channels_last else torch.preserve_format
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     done = 0
     # `with` closes the bar also when a non-finite loss stops the run, so the error is a line of its own.
     with tqdm(total=steps, desc=f"step {step}", disable=info.rank != 0, mininterval=1.0, leave=False) as bar:
         for i, (images, labels) in enumerate(loader):
-            images = images.to(device, non_blocking=True, memory_format=memory_format)
+            images = images.to(device, non_blocking=True)
+            if args.augment:
+                images = random_crop_flip(images)  # on the device, the whole batch at once
+            images = images.contiguous(memory_format=memory_format)
             labels = labels.to(device, non_blocking=True)
             # With gradient accumulation only the last micro-batch all-reduces: no_sync() keeps
             # the others' gradients local, where they add up in .grad (one all-reduce per step).
@@ -394,6 +399,8 @@ def train(args, info, wrap=wrap_ddp):
         f"{args.model} on {args.data}: {world} process(es) on {device.type}, global batch {global_batch}, "
         f"peak lr {lr:.3g}, {steps_per_epoch} steps/epoch"
     )
+    if start_epoch >= args.epochs:
+        print0(f"{resume} already holds all {args.epochs} epochs: nothing to train (raise --epochs to go on)")
     for epoch in range(start_epoch, args.epochs):
         if args.max_steps and step >= args.max_steps:
             break

@@ -3,7 +3,7 @@ rank of a world (DistributedSampler takes the rank explicitly: no process group 
 
 import pytest
 import torch
-from conftest import SYNTHETIC
+from conftest import SYNTHETIC, run_python
 
 import common
 import ddp_train
@@ -74,3 +74,33 @@ def test_test_shards_count_every_sample_once(world, synthetic):
         labels += [y for _, y in test_loader]
     assert sorted(indices) == list(range(len(test_set)))
     assert torch.cat(labels).bincount(minlength=10).tolist() == test_set.labels.bincount(minlength=10).tolist()
+
+
+def test_random_crop_flip_takes_a_shifted_possibly_flipped_crop_of_each_image():
+    # Every output image must equal, for some shift (dy, dx) in [0, 2*pad] and flip or not,
+    # the crop of the zero-padded input; and across a batch both flips and several shifts occur.
+    torch.manual_seed(0)
+    images = torch.randn(64, 3, 8, 8)
+    out = common.random_crop_flip(images, pad=2)
+    assert out.shape == images.shape
+    padded = torch.nn.functional.pad(images, (2, 2, 2, 2))
+    seen = set()
+
+    def crop(i, dy, dx, flip):
+        c = padded[i, :, dy : dy + 8, dx : dx + 8]
+        return c.flip(-1) if flip else c
+
+    for i in range(len(images)):
+        shifts = [(dy, dx, flip) for dy in range(5) for dx in range(5) for flip in (False, True)]
+        matches = [s for s in shifts if torch.equal(out[i], crop(i, *s))]
+        assert matches, f"image {i} is not a crop of its padded input"
+        seen.add(matches[0])
+    assert {flip for _, _, flip in seen} == {False, True}
+    assert len({(dy, dx) for dy, dx, _ in seen}) > 5
+
+
+def test_augmented_training_runs(tmp_path):
+    proc = run_python(
+        ["ddp_train.py", *SYNTHETIC, "--augment", "--epochs", "1", "--max-steps", "3", "--no-channels-last"]
+    )
+    assert "epoch 0:" in proc.stdout
