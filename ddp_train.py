@@ -25,8 +25,9 @@ batch_size x world_size x accum_steps, and --lr is the peak rate for a global ba
 scaled linearly with the global batch (Goyal et al., 2017: "Accurate, Large Minibatch SGD").
 The warm-up at the start of the schedule is what keeps large scaled rates stable.
 
-With the defaults (a small CNN, 5 epochs, one-cycle SGD), Fashion-MNIST reaches about 91%
-test accuracy; README.md gives the measured figures and the command that produced them.
+With the defaults (a small CNN, 5 epochs, one-cycle SGD, channels_last), 2 processes on 2 CPU
+cores reached 91.1% Fashion-MNIST test accuracy after 32 s of training and 91.9% after 53 s,
+against 76.6% after 101 s for the classic LeNet recipe (benchmarks/results.md).
 """
 
 import argparse
