@@ -458,6 +458,10 @@ def main(argv=None, rank=None, world_size=None):
     )
     try:
         train(args, info)
+        if info.distributed:
+            # Leave together (all ranks participate): rank 0 hosts the rendezvous store, and a
+            # rank still tearing its group down when rank 0's process is gone can abort at exit.
+            dist.barrier()
     except RuntimeError as e:
         # A peer that died (killed, out of memory) or hung for --dist-timeout breaks the
         # collectives of the others; gloo says so in a RuntimeError. Say it in one line.

@@ -50,3 +50,16 @@ def test_dp_train(tmp_path):
     proc = run_python(["dp_train.py", *CNN_ARGS, "--batch-size", "256", "--output-dir", tmp_path])
     assert "1 process(es)" in proc.stdout
     check_outputs(tmp_path, proc.stdout, world_size=1)
+
+
+def test_compiled_run_saves_plain_weights_and_matches_eager(tmp_path):
+    # torch.compile wraps the model in an OptimizedModule whose state_dict keys start with
+    # "_orig_mod."; the checkpoint must still hold the plain module's keys, and the compiled
+    # steps must compute what the eager ones do. (Compiling on CPU takes ~30 s: few steps.)
+    steps = ["--data", "synthetic", "--device", "cpu", "--model", "mlp", "--lr", "0.05", "--max-steps", "3"]
+    run_python(["ddp_train.py", *steps, "--compile", "--output-dir", tmp_path / "compiled"], timeout=400)
+    run_python(["ddp_train.py", *steps, "--output-dir", tmp_path / "eager"])
+    compiled, eager = load_ckpt(tmp_path / "compiled"), load_ckpt(tmp_path / "eager")
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in compiled["model"])
+    common.build_model("mlp", 1, 10).load_state_dict(compiled["model"], strict=True)
+    assert_state_close(compiled["model"], eager["model"], atol=1e-5)
