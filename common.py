@@ -349,17 +349,19 @@ def _load_mnist_family(name, data_dir, download):
         splits = [cls(data_dir, train=t, download=download) for t in (True, False)]
         return [(s.data, s.targets) for s in splits], cls.classes
     except RuntimeError as e:
-        if download:
-            fail(f"could not download {name} into {raw}: {str(e).splitlines()[0]}")
+        problem = f"could not download {name} into {raw} ({first_line(e).rstrip(':')})" if download else None
+    # Offline, Debian's package is the next place to look (a failed download included).
     debian = _debian_fashion_mnist_dir() if name == "fashion-mnist" else None
     if debian is None:
+        offline = (
+            f"install Debian's dataset-fashion-mnist (used automatically) or gunzip its files into {raw}"
+            if name == "fashion-mnist"
+            else f"put the four IDX files into {raw}"
+        )
         fail(
-            f"{name} not found in {raw}; pass --download, or offline "
-            + (
-                f"install Debian's dataset-fashion-mnist (used automatically) or gunzip its files into {raw}"
-                if name == "fashion-mnist"
-                else f"put the four IDX files into {raw}"
-            )
+            f"{problem}; offline, {offline}"
+            if problem
+            else f"{name} not found in {raw}; pass --download, or offline {offline}"
         )
     splits = []
     for prefix in ("train", "t10k"):
