@@ -23,7 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 import ddp_train
-from common import ArgumentParser, fail
+from common import ArgumentParser, detect_launcher, fail
 
 
 def free_port():
@@ -67,6 +67,14 @@ def main(argv=None):
     if use_cuda and args.nprocs > torch.cuda.device_count():
         fail(f"--nprocs {args.nprocs} is more than the {torch.cuda.device_count()} GPU(s) here")
 
+    # torchrun (even with one worker: its store holds MASTER_PORT) or several srun/mpirun tasks
+    # would each spawn a group of their own; one srun or mpirun task per node is fine.
+    launched = detect_launcher()
+    if launched and (launched["launcher"] == "torchrun" or launched["world_size"] > 1):
+        fail(
+            f"ddp_mp_spawn.py starts its own processes; run it with plain python, not under {launched['launcher']} "
+            "(that launches ddp_train.py directly)"
+        )
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # one node: the children meet here
     if "MASTER_PORT" in os.environ:
         check_port_free(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])

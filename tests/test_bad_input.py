@@ -154,6 +154,13 @@ def test_mp_spawn_bad_nprocs(no_launcher):
     assert "--nprocs" in fails(ddp_mp_spawn.main, ["--nprocs", "0", *CHEAP])
 
 
+def test_mp_spawn_refuses_to_run_under_another_launcher(no_launcher, monkeypatch):
+    # Under `torchrun --nproc_per_node=2`, each worker would spawn its own group on torchrun's port.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "plain python" in fails(ddp_mp_spawn.main, ["--nprocs", "2", *CHEAP])
+
+
 def test_mp_spawn_checks_training_flags_before_spawning(no_launcher):
     assert "--batch-size" in fails(ddp_mp_spawn.main, ["--nprocs", "2", "--batch-size", "0"])
 
