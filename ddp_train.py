@@ -102,6 +102,19 @@ def get_args(argv=None, description=None):
         help="NHWC memory format: faster convolutions on CPU (oneDNN, 1.8x here) and GPU (tensor cores)",
     )
     p.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over all ranks (CUDA)")
+    p.add_argument(
+        "--comm-hook",
+        default="none",
+        choices=["none", "fp16", "bf16", "powersgd"],
+        help="compress gradients for the all-reduce: fp16/bf16 halve the bytes, powersgd sends low-rank factors",
+    )
+    p.add_argument("--powersgd-rank", type=int, default=4, help="powersgd: rank of the approximation per matrix")
+    p.add_argument(
+        "--powersgd-start",
+        type=int,
+        default=None,
+        help="powersgd: plain all-reduce for this many steps first (default: the lr warm-up's steps)",
+    )
     p.add_argument("--clip-grad", type=float, default=0.0, help="max gradient norm; 0 turns clipping off")
     p.add_argument(
         "--resume", default=None, help="checkpoint to resume from (default: OUTPUT_DIR/checkpoint.pt if present)"
@@ -119,7 +132,7 @@ def get_args(argv=None, description=None):
     p.add_argument("--backend", default=None, choices=["gloo", "nccl", "mpi"], help="default: nccl on CUDA, else gloo")
     p.add_argument("--dist-timeout", type=float, default=300, help="seconds before a missing peer ends the job")
     args = p.parse_args(argv)
-    for name in ("epochs", "batch_size", "accum_steps", "log_every", "image_size"):
+    for name in ("epochs", "batch_size", "accum_steps", "log_every", "image_size", "powersgd_rank"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     for name in ("lr", "dist_timeout"):
@@ -127,6 +140,8 @@ def get_args(argv=None, description=None):
             fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.max_steps < 0 or args.clip_grad < 0 or args.workers < 0 or args.save_every < 0:
         fail("--max-steps, --clip-grad, --workers and --save-every cannot be negative")
+    if args.powersgd_start is not None and args.powersgd_start < 0:
+        fail(f"--powersgd-start cannot be negative, got {args.powersgd_start}")
     if args.save_every and not args.output_dir:
         fail("--save-every needs --output-dir (where the snapshots go)")
     if not 0 <= args.warmup < 1:
@@ -280,6 +295,42 @@ def wrap_ddp(model, info):
     )
 
 
+def register_comm_hook(model, args, step, total_steps):
+    """Replace DDP's all-reduce of fp32 gradient buckets with a compressed one. Worth it when
+    the network, not compute, bounds the step: across nodes on slow links, or a big model.
+
+    fp16/bf16: each bucket is cast down, all-reduced, cast back: half the bytes, and the
+    gradient keeps about 3 (fp16) or 2 (bf16) significant digits; fp16 overflows past 65504.
+    PowerSGD (Vogels et al., 2019) sends, per gradient matrix of shape (n, m), two rank-r
+    factors: r(n + m) numbers instead of nm. Error feedback adds what compression dropped to
+    the next step's gradient, so nothing is lost, only delayed. Biases and BatchNorm vectors
+    gain nothing from it and go uncompressed. The early steps use the plain all-reduce: the
+    start of training is the most sensitive to inexact gradients.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if args.comm_hook == "fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif args.comm_hook == "bf16":
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif args.comm_hook == "powersgd":
+        start = args.powersgd_start
+        if start is None:
+            start = int(args.warmup * total_steps)
+        # The state counts steps from 0, also after a resume; its error feedback restarts at
+        # zero then (it is per rank and not in the checkpoint). PowerSGD needs two plain
+        # steps first: DDP rebuilds its buckets after the first.
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=args.powersgd_rank,
+            start_powerSGD_iter=max(2, start - step),
+            random_seed=args.seed,  # the same random start on every rank: the factors must agree
+        )
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return state
+    return None
+
+
 def train(args, info, wrap=wrap_ddp):
     """The whole run. `wrap` puts the parallel wrapper around the model (dp_train.py passes
     nn.DataParallel instead of DDP)."""
@@ -363,6 +414,12 @@ def train(args, info, wrap=wrap_ddp):
         return
 
     model = wrap(model, info)
+    powersgd = None
+    if args.comm_hook != "none":
+        if isinstance(model, DDP):
+            powersgd = register_comm_hook(model, args, step, total_steps)
+        else:
+            print0(f"note: --comm-hook {args.comm_hook} has no effect with one process (no all-reduce)")
     if args.compile:
         model = torch.compile(model)  # compiled around DDP, so graph breaks follow its buckets
 
@@ -444,6 +501,11 @@ def train(args, info, wrap=wrap_ddp):
         if out:
             append_metrics(metrics_path, record)
         snapshot(step)  # all ranks participate
+
+    if powersgd and powersgd.total_numel_after_compression:
+        rate = powersgd.compression_stats()[0]
+        start = powersgd.start_powerSGD_iter
+        print0(f"powersgd: {rate:.1f}x fewer gradient numbers all-reduced than plain DDP after the first {start} steps")
 
 
 # How gloo reports a peer that is gone (its socket closed) or silent past the timeout.

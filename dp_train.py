@@ -37,6 +37,8 @@ def main(argv=None):
         fail("dp_train.py runs as one process; for several processes use ddp_train.py with torchrun")
     if args.sync_bn:
         fail("--sync-bn is for DistributedDataParallel; DataParallel computes BatchNorm per GPU")
+    if args.comm_hook != "none":
+        fail("--comm-hook is for DistributedDataParallel; DataParallel has no all-reduce to compress")
     if args.backend:
         fail("--backend has no meaning for DataParallel (one process, no process group)")
     info = init_distributed_mode(device=args.device)

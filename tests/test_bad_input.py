@@ -82,6 +82,9 @@ def test_one_line_error_from_a_real_process(tmp_path, case):
         (["--data", "imagenet"], "--data"),
         (["--epochs", "two"], "--epochs"),
         (["--no-such-flag"], "--no-such-flag"),
+        (["--comm-hook", "int8"], "--comm-hook"),
+        (["--powersgd-rank", "0"], "--powersgd-rank"),
+        (["--powersgd-start", "-1"], "--powersgd-start"),
     ],
 )
 def test_impossible_flags(no_launcher, tmp_path, flags, words):
@@ -169,6 +172,10 @@ def test_dp_train_refuses_several_processes(no_launcher, tmp_path):
     no_launcher.setenv("WORLD_SIZE", "2")
     assert "torchrun" in fails(dp_train.main, [*CHEAP, "--output-dir", str(tmp_path / "out")])
     assert_untouched(tmp_path / "out")
+
+
+def test_dp_train_refuses_comm_hook(no_launcher):
+    assert "DistributedDataParallel" in fails(dp_train.main, [*CHEAP, "--comm-hook", "fp16"])
 
 
 def test_batch_larger_than_a_shard(no_launcher, tmp_path):
