@@ -309,11 +309,12 @@ def register_comm_hook(model, args, step, total_steps):
     """
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+    state = None
     if args.comm_hook == "fp16":
-        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        hook = default_hooks.fp16_compress_hook
     elif args.comm_hook == "bf16":
-        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    elif args.comm_hook == "powersgd":
+        hook = default_hooks.bf16_compress_hook
+    else:
         start = args.powersgd_start
         if start is None:
             start = int(args.warmup * total_steps)
@@ -326,9 +327,32 @@ def register_comm_hook(model, args, step, total_steps):
             start_powerSGD_iter=max(2, start - step),
             random_seed=args.seed,  # the same random start on every rank: the factors must agree
         )
-        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        return state
-    return None
+        hook = powerSGD_hook.powerSGD_hook
+    if dist.get_backend() == "gloo":
+        hook = in_bucket_order(hook)
+    model.register_comm_hook(state, hook)
+    return state
+
+
+def in_bucket_order(hook):
+    """Start a bucket's hook only when the previous bucket's has finished (gloo only).
+
+    PowerSGD issues its second and third all-reduce from callbacks that gloo runs on its own
+    threads, while backward() goes on to the next bucket: two ranks can then start the
+    all-reduces of different buckets at the same moment, a mismatch that kills the job ("Received
+    data size doesn't match expected size"; 2 of 3 ResNet-18 runs here). NCCL orders them on
+    the stream. Waiting costs some overlap of communication with backward.
+    """
+
+    def hook_in_order(state, bucket):
+        if hook_in_order.previous is not None:
+            hook_in_order.previous.wait()
+        future = hook(state, bucket)
+        hook_in_order.previous = None if bucket.is_last() else future
+        return future
+
+    hook_in_order.previous = None
+    return hook_in_order
 
 
 def train(args, info, wrap=wrap_ddp):
