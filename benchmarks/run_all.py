@@ -235,6 +235,10 @@ def configs(args):
             overhead=["--rounds", "2", "--steps", "10"],
             pipeline=["--max-batches", str(args.quick_steps)],
             gpu=["--epochs", "1", "--max-steps", str(args.quick_steps)],
+            comm=[
+                ("cnn", ["--rounds", "1", "--steps", "2"]),
+                ("resnet18", ["--batch-size", "4", "--rounds", "1", "--steps", "1"]),
+            ],
             timeout=300,
         )
     return dict(
@@ -244,6 +248,11 @@ def configs(args):
         overhead=["--rounds", "8", "--steps", "50"],
         pipeline=[],  # one epoch of one rank's shard
         gpu=["--epochs", str(args.gpu_epochs)],
+        # The CNN's 29 k parameters make the all-reduce trivial; ResNet-18's 11 M show the bytes.
+        comm=[
+            ("cnn", ["--rounds", "5", "--steps", "20"]),
+            ("resnet18", ["--batch-size", "16", "--rounds", "3", "--steps", "3"]),
+        ],
         timeout=1200,
     )
 
@@ -457,30 +466,70 @@ def section_launchers(runner, args, cfg):
     return lines, data
 
 
-# What later issues add. Each needs a runner here once its command line exists; until then
-# the section says so rather than guess at flags. The communication options have no file of
-# their own: DDP applies them through register_comm_hook, so their use marks their arrival.
-PENDING = [
-    ("model_parallel.py", "model parallelism: naive, pipelined and single-device step time"),
-    ("quantize.py", "quantization: model size, latency and accuracy"),
-    ("register_comm_hook", "DDP communication options: step time and bytes"),
-]
+def gpu_off():
+    """Sections a-d measure the CPU with gloo: say so on a machine that also has CUDA."""
+    return ["--device", "cpu"] if torch.cuda.is_available() else []
 
 
-def section_pending():
-    lines, data = ["## d. Strategies still to come", ""], {}
-    for name, what in PENDING:
-        if name.endswith(".py"):
-            present = (ROOT / name).exists()
-            missing = f"not run: {name} not in the repository yet"
-        else:
-            present = any(name in f.read_text(errors="replace") for f in ROOT.glob("*.py"))
-            missing = f"not run: no script of the repository uses {name} yet"
-        status = (
-            f"not run: {name} is in the repository, but run_all.py has no runner for it yet" if present else missing
-        )
-        lines.append(f"- {what}: {status}")
-        data[what] = status
+def section_comm_hooks(runner, args, cfg):
+    lines = ["## d1. DDP communication hooks (ddp_train.py --comm-hook), 2 processes", ""]
+    hooks = ("none", "fp16", "bf16", "powersgd")
+    rows, data, records = [], {}, []
+    for model, flags in cfg["comm"]:
+        cmd = torchrun(2, "benchmarks/comm_hooks.py", "--model", model, *gpu_off(), *flags)
+        r = runner.run(f"comm_hooks_{model}", cmd, cfg["timeout"])
+        records.append(r)
+        if not ok(r):
+            rows.append([model, failure(r)] + [""] * 5)
+            continue
+        o = r["json"][-1]
+        data[model] = o
+        ms, sent = o["ms_per_step"], o["bytes_per_step"]
+        for hook in hooks:
+            # Compression costs compute and saves bytes; it pays where sending the saved bytes
+            # takes longer than the compute it adds: on links slower than saved / extra.
+            extra_s, saved = (ms[hook] - ms["none"]) / 1000, sent["none"] - sent[hook]
+            if hook == "none":
+                pays = ""
+            elif extra_s <= 0:
+                pays = "faster here already"
+            else:
+                pays = f"below {saved * 8 / extra_s / 1e9:.2f} Gbit/s"
+            rows.append(
+                [
+                    f"{model} ({o['params'] / 1e6:.2f} M parameters, batch {o['batch_size']} per process)",
+                    hook,
+                    f"{ms[hook]:.1f}",
+                    f"{o['time_ratio'][hook]:.2f}x",
+                    f"{sent[hook] / 1e6:.3f}",
+                    f"{o['bytes_ratio'][hook]:.3f}x",
+                    pays,
+                ]
+            )
+    lines += table(
+        [
+            "model",
+            "--comm-hook",
+            "ms per step",
+            "time vs none",
+            "MB all-reduced per step per rank",
+            "bytes vs none",
+            "pays off on links",
+        ],
+        rows,
+    )
+    lines += [
+        "",
+        "Each option trains its own DDP model in alternating rounds in the same two processes (medians over "
+        "rounds), set up by ddp_train.register_comm_hook(); PowerSGD at rank "
+        f"{next(iter(data.values()))['powersgd_rank'] if data else '?'}, compressing from the third step. "
+        "Bytes: what each rank hands to all-reduce per step (counted at torch.distributed.all_reduce for the "
+        "hooks; for none, every fp32 gradient). Here both processes share one machine, so the all-reduce "
+        'costs almost nothing and compression only adds compute. "Pays off" is the link speed below which '
+        "the bytes saved take longer to send than the compute added, assuming the all-reduce is not hidden "
+        "behind backward (DDP overlaps them) and a 2-process ring, which moves each rank's bytes once.",
+    ]
+    lines += commands(*records)
     return lines, data
 
 
@@ -638,7 +687,7 @@ def main():
         lines, data["c_launchers"] = section_launchers(runner, args, cfg)
         body += lines + [""]
     if "d" in args.sections:
-        lines, data["d_pending"] = section_pending()
+        lines, data["d1_comm_hooks"] = section_comm_hooks(runner, args, cfg)
         body += lines + [""]
     if "e" in args.sections:
         lines, data["e_gpu"] = section_gpu(runner, args, cfg)
