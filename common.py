@@ -519,8 +519,8 @@ def resnet18_small(in_channels, num_classes):
 
 
 class MLP(nn.Sequential):
-    """Two linear layers for 28x28 images, no BatchNorm or dropout: with it, DDP's result equals one process
-    on the whole batch up to float rounding (BatchNorm normalises over each rank's batch)."""
+    """Two linear layers, no BatchNorm or dropout: with it, DDP's result equals one process on
+    the whole batch up to float rounding (BatchNorm normalises over each rank's batch)."""
 
     def __init__(self, in_channels=1, num_classes=10, hidden=256, size=28):
         super().__init__(
@@ -534,7 +534,9 @@ class MLP(nn.Sequential):
 MODELS = {"cnn": SmallCNN, "resnet18": resnet18_small, "mlp": MLP}
 
 
-def build_model(name, in_channels, num_classes):
+def build_model(name, in_channels, num_classes, image_size=28):
+    if name == "mlp":  # the one model whose first layer depends on the image size
+        return MLP(in_channels, num_classes, size=image_size)
     return MODELS[name](in_channels, num_classes)
 
 

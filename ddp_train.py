@@ -380,7 +380,7 @@ def train(args, info, wrap=wrap_ddp):
     steps_per_epoch = len(train_loader) // args.accum_steps
     total_steps = args.epochs * steps_per_epoch
 
-    model = build_model(args.model, in_channels, num_classes)
+    model = build_model(args.model, in_channels, num_classes, image_size=train_set[0][0].shape[-1])
     if args.sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device, memory_format=torch.channels_last if args.channels_last else torch.preserve_format)

@@ -3,6 +3,8 @@
 
 import re
 
+import pytest
+import torch
 from conftest import CNN_ARGS, METRIC_KEYS, assert_state_close, load_ckpt, read_metrics, run_python
 
 import common
@@ -63,3 +65,11 @@ def test_compiled_run_saves_plain_weights_and_matches_eager(tmp_path):
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in compiled["model"])
     common.build_model("mlp", 1, 10).load_state_dict(compiled["model"], strict=True)
     assert_state_close(compiled["model"], eager["model"], atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(common.MODELS))
+def test_every_model_takes_cifar_sized_images(name):
+    # 3 x 32 x 32 as well as Fashion-MNIST's 1 x 28 x 28: --model mlp --data cifar10 once
+    # stopped with a shape error (its first layer was sized for 28 x 28 only).
+    model = common.build_model(name, 3, 10, image_size=32).eval()
+    assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
