@@ -26,7 +26,7 @@ Launch (the same file; SLURM and mpirun as for ddp_train.py, see README.md):
         --rdzv-endpoint=HOST:29500 --rdzv-id=myjob model_parallel.py   # 8 stages, on every node
 
 On 2 CPU cores one process already uses both cores, so 2 stages have nothing to gain there
-(benchmarks/pipeline_bench.py measures it); the strategy pays off with one GPU per stage.
+(benchmarks/run_all.py, section d2, measures it); the strategy pays off with one GPU per stage.
 Without resume: a rerun with the same --output-dir starts afresh and replaces its files.
 """
 

@@ -1,6 +1,6 @@
 """Every benchmark of the repository in one run, printed as a markdown table.
 
-    python benchmarks/run_all.py            # the full run: about 10 minutes on 2 CPU cores
+    python benchmarks/run_all.py            # the full run: about 20 minutes on 2 CPU cores
     python benchmarks/run_all.py --quick    # smoke pass: a few steps of everything, ~2 minutes
 
 Writes benchmarks/results.md, benchmarks/results.json and, when matplotlib is installed,
@@ -11,7 +11,8 @@ benchmarks/runs/.
 Sections: (a) time to accuracy on Fashion-MNIST, ddp_train.py against the classic recipe;
 (b) ddp_train.py's step time against a bare DDP loop, and the input pipeline's share;
 (c) launchers and strategies: mp.spawn against torchrun, DataParallel against DDP, 1 -> 2
-processes; (d) scripts that are not in the repository yet; (e) CIFAR-10 on a CUDA device.
+processes; (d) the other strategies: DDP communication hooks (d1), pipeline parallelism (d2),
+int8 quantization (d3); (e) CIFAR-10 on a CUDA device.
 Runs are sequential, each with a timeout; compare figures as ratios within one run.
 """
 
@@ -76,11 +77,11 @@ class Runner:
         # cores / processes; one process: all cores); a value from the shell would override all.
         self.removed_omp = self.env.pop("OMP_NUM_THREADS", None)
 
-    def run(self, name, cmd, timeout, output_dir=False):
+    def run(self, name, cmd, timeout, output_dir=False, env=None):
         """Run cmd (with `--output-dir DIR` appended when output_dir) and return its record:
         command, exit status, wall seconds, metrics (metrics.jsonl lines), json (JSON lines
         printed on stdout) and, on failure, the last lines of its output."""
-        key = tuple(cmd)
+        key = (*cmd, *sorted((env or {}).items()))
         if key in self.by_cmd:
             return self.by_cmd[key]
         run_dir = self.work_dir / name
@@ -92,7 +93,12 @@ class Runner:
         with open(run_dir / "output.log", "w") as out:
             # A session of its own: a timeout or Ctrl-C stops exactly this command's processes.
             proc = subprocess.Popen(
-                full, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                full,
+                cwd=ROOT,
+                env={**self.env, **(env or {})},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
             try:
                 status = proc.wait(timeout=timeout)
@@ -113,7 +119,8 @@ class Runner:
             if line.startswith("{"):
                 with contextlib.suppress(json.JSONDecodeError):
                     printed.append(json.loads(line))
-        record = dict(name=name, command=show(full), status=status, wall_seconds=wall, metrics=metrics, json=printed)
+        shown = " ".join(f"{k}={v}" for k, v in (env or {}).items()) + " " * bool(env) + show(full)
+        record = dict(name=name, command=shown, status=status, wall_seconds=wall, metrics=metrics, json=printed)
         if status != 0 or not (metrics or printed):
             # The last lines of the output, made safe for a markdown table cell.
             tail = " / ".join(ln.strip() for ln in text.strip().splitlines()[-3:]) or "no output"
@@ -239,6 +246,8 @@ def configs(args):
                 ("cnn", ["--rounds", "1", "--steps", "2"]),
                 ("resnet18", ["--batch-size", "4", "--rounds", "1", "--steps", "1"]),
             ],
+            pipeline_mp=["--data", "synthetic", "--epochs", "2"],
+            quantize=["--runs", "5"],
             timeout=300,
         )
     return dict(
@@ -253,6 +262,9 @@ def configs(args):
             ("cnn", ["--rounds", "5", "--steps", "20"]),
             ("resnet18", ["--batch-size", "16", "--rounds", "3", "--steps", "3"]),
         ],
+        # 15 steps per epoch of the synthetic set (Fashion-MNIST's shape): speed only.
+        pipeline_mp=["--data", "synthetic", "--epochs", "5"],
+        quantize=["--qat-steps", "200", "--threads", "1", "--runs", "200"],
         timeout=1200,
     )
 
@@ -533,6 +545,102 @@ def section_comm_hooks(runner, args, cfg):
     return lines, data
 
 
+# (label, processes, schedule, micro-batches, threads of a single process)
+PIPELINE_CONFIGS = [
+    ("single device (1 process, all cores)", 1, "1f1b", 8, None),
+    ("single device (1 process, 1 thread)", 1, "1f1b", 8, 1),
+    ("naive: 2 stages, 1 micro-batch", 2, "gpipe", 1, None),
+    ("pipelined GPipe: 2 stages, 8 micro-batches", 2, "gpipe", 8, None),
+    ("pipelined 1F1B: 2 stages, 8 micro-batches", 2, "1f1b", 8, None),
+]
+
+
+def section_model_parallel(runner, args, cfg):
+    lines = ["## d2. Pipeline parallelism: model_parallel.py", ""]
+    records, rows, data = [], [], {}
+    base = None
+    for label, nproc, schedule, micro, threads in PIPELINE_CONFIGS:
+        flags = ["--schedule", schedule, "--microbatches", str(micro), *gpu_off(), *cfg["pipeline_mp"]]
+        cmd = torchrun(nproc, "model_parallel.py", *flags) if nproc > 1 else [PY, "model_parallel.py", *flags]
+        env = {"OMP_NUM_THREADS": str(threads)} if threads else None
+        name = f"model_parallel_{nproc}proc_{schedule}_{micro}mb" + (f"_{threads}thread" if threads else "")
+        r = runner.run(name, cmd, cfg["timeout"], output_dir=True, env=env)
+        records.append(r)
+        bubble = f"{(nproc - 1) / (micro + nproc - 1):.0%}" if nproc > 1 else "none"
+        if not ok(r):
+            rows.append([label, bubble, failure(r), "", "", ""])
+            continue
+        sps, ms = samples_per_second(r["metrics"]), ms_per_step(r["metrics"])
+        base = base or sps
+        rows.append([label, bubble, f"{sps:.0f}", f"{ms:.1f}", f"{sps / base:.2f}x", pct(r["metrics"][-1]["test_acc"])])
+        data[label] = dict(samples_per_second=sps, ms_per_step=ms, ratio=sps / base, command=r["command"])
+    lines += table(
+        ["configuration", "bubble (S-1)/(M+S-1)", "samples/s", "ms per step", "vs single device", "final test acc"],
+        rows,
+    )
+    lines += [
+        "",
+        "Same model (model_parallel.py's GroupNorm CNN, cut into stages of equal FLOPs), global batch 128 and data "
+        "for every row; samples/s and ms per step over the epochs after the first. Threads: the single process "
+        "uses every core, or one (a per-core comparison); each torchrun worker one. With as many stages as "
+        "cores the pipeline has no more compute than one process: at best it ties, and it pays for the "
+        "activations sent between stages and for micro-batches too small to keep a core busy. Pipelining "
+        "pays when each stage has a device of its own and the model does not fit on one.",
+    ]
+    lines += commands(*records)
+    return lines, data
+
+
+def section_quantize(runner, args, cfg):
+    lines = ["## d3. Int8 quantization: quantize.py", ""]
+    ddp = ddp_run(runner, args, cfg, 2)
+    if not ok(ddp):
+        return lines + [f"not run: the float model's training failed: {failure(ddp)}"], dict(error=failure(ddp))
+    ckpt = runner.work_dir / "ddp_train_2proc" / "checkpoint.pt"
+    report = runner.work_dir / "quantize.json"
+    report.unlink(missing_ok=True)
+    flags = ["--checkpoint", str(ckpt.relative_to(ROOT)), "--json", str(report.relative_to(ROOT)), *cfg["quantize"]]
+    flags += ["--data-dir", args.data_dir] if args.data_dir != "data" else []
+    r = runner.run("quantize", [PY, "quantize.py", *flags], cfg["timeout"])
+    if r["status"] != 0 or not report.exists():
+        return lines + [failure(r) if not ok(r) else "failed: no JSON report"] + commands(r), dict(error=r.get("error"))
+    q = json.loads(report.read_text())
+    rows = [
+        [
+            x["method"],
+            f"{x['size_mb']:.3f} ({x['size_ratio']:.2f}x)",
+            f"{x['latency_ms']:.3f} ({x['latency_speedup']:.2f}x)",
+            f"{x['throughput']:.0f} ({x['throughput_speedup']:.2f}x)",
+            pct(x["accuracy"]),
+            f"{100 * x['accuracy_delta']:+.2f}",
+            pct(x["agreement"]),
+        ]
+        for x in q["results"]
+    ]
+    lines += table(
+        [
+            "method",
+            "size MB (vs fp32)",
+            "batch-1 ms (speed-up)",
+            f"batch-{q['batch_size']} images/s (speed-up)",
+            "test acc",
+            "vs fp32 (points)",
+            "same prediction as fp32",
+        ],
+        rows,
+    )
+    lines += [
+        "",
+        f"The float model is section a's `ddp_train.py` run (2 processes, defaults). "
+        f"{q['threads']} thread{'s' * (q['threads'] > 1)}, "
+        f"engine {q['engine']}; static int8 calibrated on {q['calib_images']} training images; accuracy on all "
+        f"{q['test_images']} test images. The models take turns call by call in one process (medians), so the "
+        "speed-ups are side by side. Size: the serialized state_dict.",
+    ]
+    lines += commands(ddp, r)
+    return lines, q
+
+
 def section_gpu(runner, args, cfg):
     lines = ["## e. GPU: CIFAR-10, ResNet-18, bf16, channels_last, torch.compile", ""]
     if not torch.cuda.is_available():
@@ -688,6 +796,10 @@ def main():
         body += lines + [""]
     if "d" in args.sections:
         lines, data["d1_comm_hooks"] = section_comm_hooks(runner, args, cfg)
+        body += lines + [""]
+        lines, data["d2_model_parallel"] = section_model_parallel(runner, args, cfg)
+        body += lines + [""]
+        lines, data["d3_quantize"] = section_quantize(runner, args, cfg)
         body += lines + [""]
     if "e" in args.sections:
         lines, data["e_gpu"] = section_gpu(runner, args, cfg)
