@@ -26,8 +26,8 @@ scaled linearly with the global batch (Goyal et al., 2017: "Accurate, Large Mini
 The warm-up at the start of the schedule is what keeps large scaled rates stable.
 
 With the defaults (a small CNN, 5 epochs, one-cycle SGD, channels_last), 2 processes on 2 CPU
-cores reached 91.1% Fashion-MNIST test accuracy after 32 s of training and 91.9% after 53 s,
-against 76.6% after 101 s for the classic LeNet recipe (benchmarks/results.md).
+cores reached 91.1% Fashion-MNIST test accuracy after 31 s of training and 91.9% after 53 s,
+against 76.6% after 87 s for the classic LeNet recipe (benchmarks/results.md).
 """
 
 import argparse

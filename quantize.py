@@ -20,21 +20,21 @@ Run (quantization is post-training work for one CPU process: int8 kernels are CP
 
 The int8 model saved by --output-dir reloads with `quantize.load_int8("runs/q/model_int8.pt")`.
 
-Measured with 1 thread on a 2-core x86 VM that other jobs shared (timings varied up to 2x between
-runs, the ratios far less), torch 2.14.1, on the default CNN trained by `python ddp_train.py
---output-dir runs/ddp` (5 epochs), accuracy over the whole Fashion-MNIST test set:
+Measured with 1 thread on 2 x86 cores, torch 2.14.1, on the default CNN trained by `torchrun
+--standalone --nproc_per_node=2 ddp_train.py --output-dir runs/ddp` (5 epochs), accuracy over
+the whole Fashion-MNIST test set (benchmarks/run_all.py, section d3; 2026-11-22):
     python quantize.py --checkpoint runs/ddp/checkpoint.pt --qat-steps 200 --threads 1 --runs 200
 
     method          size       speed at batch 1   speed at batch 256   test accuracy
-    fp32            0.124 MB   0.31 ms/image      8962 images/s        91.87%
-    dynamic int8    0.87x      1.04x              1.01x                -0.01 points
-    static int8     0.32x      0.70x              1.76x                -0.08 points
-    QAT int8        0.32x      0.78x              1.79x                -0.05 points
+    fp32            0.124 MB   0.305 ms/image     12761 images/s       91.9%
+    dynamic int8    0.87x      1.01x              1.00x                -0.07 points
+    static int8     0.32x      0.69x              2.07x                -0.02 points
+    QAT int8        0.32x      0.79x              2.17x                -0.24 points
 
 Static int8 is 3.1x smaller (not 4x: fp32 biases, a scale and zero point per channel and
 the file's per-tensor overhead weigh more in so small a model), 1.8x to 2.3x faster at
-batch 256 (five runs), and 0.08 points less accurate. At batch 1 it was slower in every run (0.65x
-to 0.73x): a 29k-weight network does so little arithmetic per call that the fixed costs int8 adds
+batch 256 (six runs), and within 0.1 points as accurate. At batch 1 it was slower in every run
+(0.65x to 0.73x): a 29k-weight network does so little arithmetic per call that the fixed costs int8 adds
 (quantizing the input, requantizing every output) outweigh what it saves. Dynamic int8 converts
 only the CNN's last layer, so it changes next to nothing here.
 
