@@ -1,0 +1,336 @@
+"""Fine-tuning a pretrained torchvision ResNet with DistributedDataParallel (DDP).
+
+The network keeps what it learnt on ImageNet and gets a new classification head for this
+data set's classes. Early layers detect edges and textures that serve any image task, so
+they stay frozen; only the head and the last --trainable-layers stages train. With 0 it is
+a linear probe (only the head learns: fast, needs little data); with 5 everything trains
+(best with a lot of data, slowest). Frozen layers cost no backward pass, no all-reduce and
+no optimizer state: on 2 CPU cores at 64x64 pixels, batch 32, the linear probe trained 523
+samples/s, one stage 219 and all five 135. Use it when a network pretrained on images like
+yours exists and your data set is small: the pretrained features do most of the work.
+
+Launch (the same file, nothing to edit; SLURM and mpirun as for ddp_train.py, see README.md):
+    python finetune.py --data imagefolder --data-dir DIR       # DIR/train/<class>/*, DIR/val/<class>/*
+    torchrun --standalone --nproc_per_node=2 finetune.py       # one node, 2 processes
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
+        --rdzv-endpoint=HOST:29500 --rdzv-id=myjob finetune.py --data imagefolder --data-dir DIR
+    python finetune.py --image-size 64 --epochs 1 --trainable-layers 0   # CPU: a quick linear probe
+
+The ImageNet weights are downloaded once into torch's hub cache (~/.cache/torch). Offline,
+pass --weights-file PATH (a state_dict or a checkpoint of these scripts, saved with
+torch.save) or --weights none (random initialisation: training from scratch).
+Without resume: a rerun with the same --output-dir starts afresh and replaces its files.
+"""
+
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from common import (
+    DATASETS,
+    ArgumentParser,
+    append_metrics,
+    check_output_dir,
+    cleanup,
+    evaluate,
+    fail,
+    first_line,
+    init_distributed_mode,
+    load_datasets,
+    print0,
+    reduce_value,
+    save_checkpoint,
+    seed_everything,
+)
+from ddp_train import PEER_FAILURES, build_loaders, wrap_ddp
+
+# One family, so that "stage" means the same thing for every choice: the stem and layer1-4.
+ARCHS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d", "wide_resnet50_2")
+
+
+def get_args(argv=None):
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", default="resnet18", choices=ARCHS, help="torchvision network")
+    p.add_argument("--weights", default="DEFAULT", help="torchvision weights (DEFAULT: ImageNet's best); none: random")
+    p.add_argument("--weights-file", default=None, help="load the weights from this file instead (offline use)")
+    p.add_argument(
+        "--trainable-layers",
+        type=int,
+        default=1,
+        help="stages that train besides the head, counted from the output: 0 = head only (linear probe), "
+        "1 = layer4, ..., 5 = everything (stem, layer1-4)",
+    )
+    p.add_argument("--data", default="fashion-mnist", choices=DATASETS, help="data set")
+    p.add_argument("--data-dir", default="data", help="root holding the data set (torchvision layout)")
+    p.add_argument("--download", action="store_true", help="download the data set if missing")
+    p.add_argument("--image-size", type=int, default=224, help="images are resized to this (ImageNet models: 224)")
+    p.add_argument("--epochs", type=int, default=3, help="passes over the training set")
+    p.add_argument("--batch-size", type=int, default=64, help="samples per process per step")
+    p.add_argument("--lr", type=float, default=0.1, help="the head's learning rate per 256 samples of global batch")
+    p.add_argument(
+        "--backbone-lr-scale", type=float, default=0.1, help="the trainable stages learn at this fraction of --lr"
+    )
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD (Nesterov) momentum")
+    p.add_argument("--weight-decay", type=float, default=1e-4, help="L2 penalty on the trained parameters")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank")
+    p.add_argument("--seed", type=int, default=0, help="seed for the head's weights and shuffling")
+    p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (smoke runs); 0: no limit")
+    p.add_argument("--output-dir", default=None, help="where checkpoint.pt and metrics.jsonl go; none: write nothing")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if present")
+    p.add_argument("--backend", default=None, choices=["gloo", "nccl", "mpi"], help="default: nccl on CUDA, else gloo")
+    p.add_argument("--dist-timeout", type=float, default=300, help="seconds before a missing peer ends the job")
+    args = p.parse_args(argv)
+    for name in ("epochs", "batch_size"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("lr", "backbone_lr_scale", "dist_timeout"):
+        if not getattr(args, name) > 0:
+            fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.max_steps < 0 or args.workers < 0 or args.weight_decay < 0:
+        fail("--max-steps, --workers and --weight-decay cannot be negative")
+    if not 0 <= args.trainable_layers <= 5:
+        fail(f"--trainable-layers counts a ResNet's 5 stages (stem, layer1-4): 0 to 5, got {args.trainable_layers}")
+    if args.image_size < 32:  # a ResNet halves the image 5 times; below 32 pixels layer4 sees less than 1x1
+        fail(f"--image-size must be at least 32, got {args.image_size}")
+    return args
+
+
+def read_weights_file(path):
+    """The state_dict in --weights-file: a bare one (torch.save(model.state_dict(), path)) or
+    a checkpoint of these scripts, which holds it under "model"."""
+    if not Path(path).is_file():
+        fail(f"--weights-file {path} does not exist")
+    try:
+        # weights_only: tensors and plain containers only, so a file from elsewhere cannot run
+        # code; map_location: every rank reads onto the CPU, not onto the GPU it was saved from.
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure to read is reported the same way
+        if "Unsupported global" in str(e):
+            fail(f"refused to load --weights-file {path}: it holds pickled objects other than tensors (unsafe)")
+        fail(f"cannot read --weights-file {path} (truncated or not a PyTorch file): {first_line(e)}")
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        fail(f"--weights-file {path} holds no state_dict (a dict of tensors, or one under 'model')")
+    return state
+
+
+def pretrained_state(args, is_main):
+    """The pretrained weights as a state_dict, or None for --weights none."""
+    if args.weights_file:
+        return read_weights_file(args.weights_file)
+    if args.weights.lower() == "none":
+        return None
+    from torchvision.models import get_model_weights
+
+    choices = get_model_weights(args.arch)
+    if args.weights not in choices.__members__:
+        fail(f"--weights {args.weights} does not exist for {args.arch}: choose from {', '.join(choices.__members__)}")
+    try:
+        # Every rank reads the file from the hub cache; the first run downloads it there (to
+        # a temporary name, renamed when complete, so ranks downloading at once do no harm).
+        return choices[args.weights].get_state_dict(progress=is_main, check_hash=True)
+    except Exception as e:  # noqa: BLE001 - no network, a proxy, a full disk: the way out is the same
+        fail(
+            f"could not download the {args.arch} {args.weights} weights ({first_line(e)}); offline, pass "
+            "--weights-file PATH (a state_dict saved with torch.save) or --weights none (random initialisation)"
+        )
+
+
+def build_model(args, num_classes, is_main):
+    """The pretrained network with a new head of `num_classes` outputs."""
+    from torchvision.models import get_model
+
+    model = get_model(args.arch, weights=None)  # ImageNet's shape (1000 classes), random weights
+    # The new head: a linear layer from the pooled features to this data set's classes. It
+    # starts random (the same on every rank: same seed), the one part with nothing to keep.
+    model.fc = nn.Linear(model.fc.in_features, num_classes)
+    state = pretrained_state(args, is_main)
+    if state is not None:
+        # Everything but the old head (ImageNet's 1000 classes, or another fine-tune's) loads.
+        source = args.weights_file or f"--weights {args.weights}"
+        state = {k: v for k, v in state.items() if not k.startswith("fc.")}
+        try:
+            missing, unexpected = model.load_state_dict(state, strict=False)
+        except RuntimeError as e:  # a tensor of another shape
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            fail(f"{source} does not fit --arch {args.arch}: {lines[1] if len(lines) > 1 else lines[0]}")
+        missing = [k for k in missing if not k.startswith("fc.")]
+        if missing or unexpected:
+            fail(
+                f"{source} does not fit --arch {args.arch}: {len(missing)} missing and {len(unexpected)} "
+                f"unexpected keys (first: {(missing + unexpected)[0]})"
+            )
+    return model
+
+
+def freeze(model, trainable_layers):
+    """Freeze all but the head and the last `trainable_layers` stages; return the frozen
+    BatchNorm layers, which must be kept in eval mode while the rest trains."""
+    stages = [nn.ModuleList([model.conv1, model.bn1]), model.layer1, model.layer2, model.layer3, model.layer4]
+    # requires_grad=False: autograd computes no gradient for these weights (and none at all
+    # below the lowest trainable layer), DDP neither registers nor all-reduces them, and the
+    # optimizer, built from the trainable ones only, holds no momentum for them.
+    model.requires_grad_(False)
+    for stage in stages[len(stages) - trainable_layers :]:
+        stage.requires_grad_(True)
+    model.fc.requires_grad_(True)
+    # A frozen BatchNorm must keep its running mean and variance too. In train mode it would
+    # replace them with this data set's batch statistics (while its weight and bias, frozen,
+    # stay fitted to the old ones), and normalise with the statistics of each small batch:
+    # the classic fine-tuning pitfall, which shifts every frozen layer above it. Eval mode
+    # normalises with the pretrained statistics and leaves them alone.
+    return [m for m in model.modules() if isinstance(m, nn.BatchNorm2d) and not m.weight.requires_grad]
+
+
+class ToImageNetInput(nn.Module):
+    """What an ImageNet network expects: 3 channels, at about the size it was trained on.
+
+    Runs on the device, on the whole batch. Grayscale images become 3 equal channels (the
+    first convolution has 3 input channels). No normalisation here: load_datasets already
+    normalised imagefolder with ImageNet's mean and std (those of every torchvision ImageNet
+    weight), and the in-memory sets to mean 0 and std 1 per channel with their own statistics,
+    which is the range ImageNet's normalisation gives ImageNet images; normalising again would
+    shift and scale them twice.
+    """
+
+    def __init__(self, size):
+        super().__init__()
+        self.size = size
+
+    def forward(self, x):
+        if x.shape[1] == 1:
+            x = x.expand(-1, 3, -1, -1)
+        if x.shape[-2:] != (self.size, self.size):
+            # Small images (28x28) scaled up: at their own size a ResNet would pool them to 1x1
+            # by layer3, and its filters were learnt at ImageNet's scale.
+            x = F.interpolate(x, size=(self.size, self.size), mode="bilinear", align_corners=False)
+        return x.contiguous(memory_format=torch.channels_last)  # faster convolutions, CPU and GPU
+
+
+def train(args, info):
+    device, rank, world = info.device, info.rank, info.world_size
+    seed_everything(args.seed)  # same seed on every rank: the same new head everywhere
+    train_set, test_set, num_classes, _ = load_datasets(args.data, args.data_dir, args.download, args.image_size)
+    if len(train_set) // world < args.batch_size:
+        fail(f"--batch-size {args.batch_size} is larger than one rank's shard ({len(train_set) // world} samples)")
+    train_sampler, train_loader, test_loader = build_loaders(args, train_set, test_set, info)
+    steps_per_epoch = len(train_loader)
+    total_steps = min(args.epochs * steps_per_epoch, args.max_steps or math.inf)
+
+    model = build_model(args, num_classes, rank == 0)
+    frozen_norms = freeze(model, args.trainable_layers)
+    model = model.to(device, memory_format=torch.channels_last)
+    net = nn.Sequential(ToImageNetInput(args.image_size), model)  # `model` alone is what gets saved
+
+    # Only now, with data, flags and weights found good, is anything written (rank 0 only).
+    model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    out = check_output_dir(args.output_dir, need_bytes=2 * model_bytes) if args.output_dir and rank == 0 else None
+    if out:
+        (out / "metrics.jsonl").unlink(missing_ok=True)  # no resume: this run's epochs only
+
+    # Two learning rates: the new head starts random and needs a large one; the pretrained
+    # stages need only small corrections, and a large rate would wreck what they learnt.
+    lr = args.lr * args.batch_size * world / 256  # linear scaling rule, as in ddp_train.py
+    head = list(model.fc.parameters())
+    backbone = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith("fc.")]
+    groups = [dict(params=head, lr=lr)] + ([dict(params=backbone, lr=lr * args.backbone_lr_scale)] if backbone else [])
+    optimizer = torch.optim.SGD(groups, momentum=args.momentum, nesterov=True, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, total_steps)
+
+    # After freezing: DDP looks at requires_grad when it is built, so it all-reduces only the
+    # trainable parameters. All of those are used in every forward, so find_unused_parameters
+    # (an extra pass over the graph each step) is not needed. DDP also broadcasts rank 0's
+    # weights here, so every rank starts from the same pretrained model and head.
+    ddp_net = wrap_ddp(net, info)
+
+    trained = sum(p.numel() for g in groups for p in g["params"])
+    total = sum(p.numel() for p in model.parameters())
+    print0(
+        f"{args.arch} on {args.data}: training {trained:,} of {total:,} parameters (head + {args.trainable_layers} "
+        f"stages), {len(frozen_norms)} frozen BatchNorm layers; {world} process(es) on {device.type}, "
+        f"global batch {args.batch_size * world}, head lr {lr:.3g}"
+    )
+    step = 0
+    for epoch in range(args.epochs):
+        train_sampler.set_epoch(epoch)  # without it every epoch repeats epoch 0's order
+        ddp_net.train()
+        for norm in frozen_norms:
+            norm.eval()  # after every .train(), which would switch them back (see freeze())
+        # Running sums stay on the device: a .item() per step would stall a GPU every step.
+        totals = torch.zeros(2, device=device, dtype=torch.float64)  # loss sum, samples
+        t0 = time.perf_counter()
+        for images, labels in tqdm(train_loader, desc=f"epoch {epoch}", disable=rank != 0, leave=False):
+            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            loss = F.cross_entropy(ddp_net(images), labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # DDP averages the trainable gradients over all ranks here
+            optimizer.step()
+            scheduler.step()
+            totals[0] += loss.detach() * labels.numel()
+            totals[1] += labels.numel()
+            step += 1
+            if step == total_steps:
+                break
+        totals = reduce_value(totals)  # all ranks participate
+        epoch_seconds = time.perf_counter() - t0
+        train_loss = (totals[0] / totals[1]).item()
+        if not math.isfinite(train_loss):  # every rank sees the same sum, so all stop together
+            fail(f"non-finite training loss in epoch {epoch}: lower --lr or --backbone-lr-scale")
+        if info.distributed:
+            # Trainable stages' BatchNorm statistics are per rank (each saw its own batches);
+            # take rank 0's, so that every rank evaluates and saves the same model.
+            for buffer in model.buffers():
+                dist.broadcast(buffer, src=0)  # all ranks participate
+        # The unwrapped net: DDP's forward would broadcast buffers, a collective that hangs
+        # when ranks have different numbers of test batches. All ranks participate.
+        test_loss, test_acc = evaluate(net, test_loader, device)
+        record = dict(
+            epoch=epoch,
+            step=step,
+            train_loss=train_loss,
+            test_loss=test_loss,
+            test_acc=test_acc,
+            epoch_seconds=epoch_seconds,
+            samples_per_second=totals[1].item() / epoch_seconds,
+            lr=scheduler.get_last_lr()[0],
+            world_size=world,
+        )
+        print0(
+            f"epoch {epoch}: train_loss {train_loss:.4f} test_loss {test_loss:.4f} test_acc {test_acc:.4f} "
+            f"{epoch_seconds:.1f}s {record['samples_per_second']:.0f} samples/s"
+        )
+        if out:
+            # "model" is the bare ResNet with its new head: it loads into
+            # torchvision.models.get_model(arch, num_classes=...) as it is.
+            state = dict(model=model.state_dict(), optimizer=optimizer.state_dict(), epoch=epoch + 1, step=step)
+            save_checkpoint(dict(state, world_size=world, args=vars(args)), out / "checkpoint.pt")
+            append_metrics(out / "metrics.jsonl", record)  # after the checkpoint: every line has its weights
+        if step == total_steps:
+            break
+
+
+def main(argv=None):
+    args = get_args(argv)
+    info = init_distributed_mode(backend=args.backend, device=args.device, timeout_s=args.dist_timeout)
+    try:
+        train(args, info)
+        if info.distributed:
+            dist.barrier()  # leave together (all ranks participate): rank 0 hosts the store
+    except RuntimeError as e:
+        # A peer that died or hung past --dist-timeout breaks the others' collectives.
+        if not info.distributed or not any(s in str(e) for s in PEER_FAILURES):
+            raise
+        fail(f"rank {info.rank}: another process died or stopped responding ({first_line(e).split('. ')[0]})")
+    finally:
+        cleanup()  # also when training raised: peers are not left waiting on a dead group
+
+
+if __name__ == "__main__":
+    main()
