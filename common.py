@@ -211,6 +211,15 @@ def first_line(error):
     return re.sub(r"\[[^\]]*:\d+\]\s*", "", line)
 
 
+# How gloo reports a peer that is gone (its socket closed) or silent past the timeout.
+PEER_FAILURES = ("closed by peer", "reset by peer", "Broken pipe", "Timed out waiting", "timeout caused pair closure")
+
+
+def peer_failed(error):
+    """Whether a collective failed because another process died or stopped answering."""
+    return any(s in str(error) for s in PEER_FAILURES)
+
+
 def check_restart():
     """Refuse a torchrun restart that would hang or fail to connect.
 
@@ -627,24 +636,30 @@ def save_checkpoint(state, path):
     atomic_write(path, lambda tmp: torch.save(state, tmp))
 
 
-def load_checkpoint(path, device="cpu"):
-    """Load a checkpoint safely, or stop with a one-line error naming the file.
+def read_torch_file(path, device="cpu", what="checkpoint"):
+    """torch.load a file safely, or stop with a one-line error naming it (`what` says which
+    flag or kind of file it is).
 
-    weights_only=True unpickles tensors and plain containers only: a checkpoint from
-    elsewhere cannot run code. map_location puts tensors on this rank's device (without it
-    every rank would load onto the GPU the tensors were saved from).
+    weights_only=True unpickles tensors and plain containers only: a file from elsewhere
+    cannot run code. map_location puts tensors on this rank's device (without it every rank
+    would load onto the GPU the tensors were saved from).
     """
     path = Path(path)
     if not path.is_file():
-        fail(f"checkpoint {path} does not exist")
+        fail(f"{what} {path} does not exist")
     try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
+        return torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure to read is reported the same way
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
         if any("Unsupported global" in ln for ln in lines):  # a class or function it would have to call
-            fail(f"refused to load {path}: it holds pickled objects other than tensors (unsafe)")
+            fail(f"refused to load {what} {path}: it holds pickled objects other than tensors (unsafe)")
         reason = next((ln for ln in lines if "WeightsUnpickler error" in ln), lines[0])
-        fail(f"cannot read checkpoint {path} (truncated or not a PyTorch checkpoint): {reason}")
+        fail(f"cannot read {what} {path} (truncated or not a PyTorch file): {reason}")
+
+
+def load_checkpoint(path, device="cpu"):
+    """A checkpoint of these scripts (a dict with a 'model' state dict), read safely."""
+    ckpt = read_torch_file(path, device)
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict):
         fail(f"{path} is not a checkpoint of these scripts (no 'model' state dict in it)")
     return ckpt

@@ -63,6 +63,7 @@ from common import (
     load_checkpoint,
     load_datasets,
     load_model_state,
+    peer_failed,
     print0,
     random_crop_flip,
     reduce_value,
@@ -532,10 +533,6 @@ def train(args, info, wrap=wrap_ddp):
         print0(f"powersgd: {rate:.1f}x fewer gradient numbers all-reduced than plain DDP after the first {start} steps")
 
 
-# How gloo reports a peer that is gone (its socket closed) or silent past the timeout.
-PEER_FAILURES = ("closed by peer", "reset by peer", "Broken pipe", "Timed out waiting", "timeout caused pair closure")
-
-
 def main(argv=None, rank=None, world_size=None):
     """Entry point; mp.spawn passes rank and world_size (see ddp_mp_spawn.py)."""
     args = get_args(argv)
@@ -551,7 +548,7 @@ def main(argv=None, rank=None, world_size=None):
     except RuntimeError as e:
         # A peer that died (killed, out of memory) or hung for --dist-timeout breaks the
         # collectives of the others; gloo says so in a RuntimeError. Say it in one line.
-        if not info.distributed or not any(s in str(e) for s in PEER_FAILURES):
+        if not info.distributed or not peer_failed(e):
             raise
         detail = first_line(e).split(". ")[0]  # gloo adds a paragraph of general advice
         fail(

@@ -24,7 +24,6 @@ Without resume: a rerun with the same --output-dir starts afresh and replaces it
 
 import math
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -43,12 +42,14 @@ from common import (
     first_line,
     init_distributed_mode,
     load_datasets,
+    peer_failed,
     print0,
+    read_torch_file,
     reduce_value,
     save_checkpoint,
     seed_everything,
 )
-from ddp_train import PEER_FAILURES, build_loaders, wrap_ddp
+from ddp_train import build_loaders, wrap_ddp
 
 # One family, so that "stage" means the same thing for every choice: the stem and layer1-4.
 ARCHS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d", "wide_resnet50_2")
@@ -104,16 +105,7 @@ def get_args(argv=None):
 def read_weights_file(path):
     """The state_dict in --weights-file: a bare one (torch.save(model.state_dict(), path)) or
     a checkpoint of these scripts, which holds it under "model"."""
-    if not Path(path).is_file():
-        fail(f"--weights-file {path} does not exist")
-    try:
-        # weights_only: tensors and plain containers only, so a file from elsewhere cannot run
-        # code; map_location: every rank reads onto the CPU, not onto the GPU it was saved from.
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any failure to read is reported the same way
-        if "Unsupported global" in str(e):
-            fail(f"refused to load --weights-file {path}: it holds pickled objects other than tensors (unsafe)")
-        fail(f"cannot read --weights-file {path} (truncated or not a PyTorch file): {first_line(e)}")
+    state = read_torch_file(path, what="--weights-file")  # weights_only, onto the CPU
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
@@ -325,7 +317,7 @@ def main(argv=None):
             dist.barrier()  # leave together (all ranks participate): rank 0 hosts the store
     except RuntimeError as e:
         # A peer that died or hung past --dist-timeout breaks the others' collectives.
-        if not info.distributed or not any(s in str(e) for s in PEER_FAILURES):
+        if not info.distributed or not peer_failed(e):
             raise
         fail(f"rank {info.rank}: another process died or stopped responding ({first_line(e).split('. ')[0]})")
     finally:

@@ -56,11 +56,11 @@ from common import (
     first_line,
     init_distributed_mode,
     load_datasets,
+    peer_failed,
     print0,
     save_checkpoint,
     seed_everything,
 )
-from ddp_train import PEER_FAILURES
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -344,7 +344,7 @@ def main(argv=None):
             dist.barrier()  # leave together (all ranks participate); rank 0 hosts the store
     except RuntimeError as e:
         # A stage that died breaks the send/recv of its neighbours; gloo says so in a RuntimeError.
-        if not info.distributed or not any(s in str(e) for s in PEER_FAILURES):
+        if not info.distributed or not peer_failed(e):
             raise
         fail(f"rank {info.rank}: another stage died or stopped responding ({first_line(e).split('. ')[0]})")
     finally:

@@ -49,6 +49,7 @@ import copy
 import io
 import itertools
 import json
+import os
 import statistics
 import time
 import warnings
@@ -216,6 +217,8 @@ def time_models(models, shapes, runs):
 
 def main(argv=None):
     args = get_args(argv)
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # each process would quantize and write the same files
+        fail("quantize.py runs as one process: start it with python, not torchrun")
     if args.threads:
         torch.set_num_threads(args.threads)
     # x86 (fbgemm + oneDNN) on Intel/AMD, qnnpack on ARM. The engine is chosen before

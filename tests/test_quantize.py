@@ -177,3 +177,10 @@ def test_one_line_error_from_a_real_process(tmp_path):
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("error: ")
     assert not (tmp_path / "out").exists()
+
+
+def test_refuses_several_processes(monkeypatch, tmp_path):
+    # Under torchrun every process would time, print and write the same files.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "one process" in fails([*QUICK, "--output-dir", tmp_path / "out"])
+    assert not (tmp_path / "out").exists()
