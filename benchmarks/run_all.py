@@ -571,9 +571,12 @@ def section_model_parallel(runner, args, cfg):
             rows.append([label, bubble, failure(r), "", "", ""])
             continue
         sps, ms = samples_per_second(r["metrics"]), ms_per_step(r["metrics"])
-        base = base or sps
-        rows.append([label, bubble, f"{sps:.0f}", f"{ms:.1f}", f"{sps / base:.2f}x", pct(r["metrics"][-1]["test_acc"])])
-        data[label] = dict(samples_per_second=sps, ms_per_step=ms, ratio=sps / base, command=r["command"])
+        if label == PIPELINE_CONFIGS[0][0]:
+            base = sps  # the single device with all cores; if it failed, there is no ratio
+        ratio = sps / base if base else None
+        shown = f"{ratio:.2f}x" if ratio else "n/a"
+        rows.append([label, bubble, f"{sps:.0f}", f"{ms:.1f}", shown, pct(r["metrics"][-1]["test_acc"])])
+        data[label] = dict(samples_per_second=sps, ms_per_step=ms, ratio=ratio, command=r["command"])
     lines += table(
         ["configuration", "bubble (S-1)/(M+S-1)", "samples/s", "ms per step", "vs single device", "final test acc"],
         rows,
