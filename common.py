@@ -1,7 +1,7 @@
-"""Helpers shared by the training scripts: process-group set-up for every launcher, data
-loaded once into memory, exact distributed evaluation and safe checkpoints.
-
-Only what two or more scripts need lives here; each strategy stays in its own file.
+"""Plumbing shared by the training scripts: process-group start and teardown for every
+launcher, rank helpers, data decoded once into memory, the shared models, exact distributed
+evaluation and safe checkpoints. Each strategy itself (launch, wrap, shard, loop, evaluate,
+save) stays in its own script; only what two or more scripts need lives here.
 """
 
 import argparse
@@ -49,81 +49,68 @@ class DistInfo(NamedTuple):
     device: torch.device
 
 
-def _first_int(text):
-    # SLURM writes task counts as "4(x2),3": the first number is this node's in the common case.
-    match = re.match(r"\d+", text or "")
-    return int(match.group()) if match else None
-
-
 def slurm_first_host(nodelist):
-    """First host of a SLURM node list such as "gpu[003-005,009],login1" -> "gpu003"."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
-    if not match:
-        return nodelist
-    prefix, ranges = match.groups()
-    return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "")
+    """First host of a SLURM node list: "gpu[003-005,9],login1" -> "gpu003",
+    "rack[1-2]-node[01-04]" -> "rack1-node01", "nid[001-004]-ib" -> "nid001-ib"."""
+    first = re.match(r"(?:[^,\[]|\[[^\]]*\])+", nodelist).group()  # up to a comma outside brackets
+    return re.sub(r"\[([^\],-]+)[^\]]*\]", r"\1", first)  # each bracket -> its first value
+
+
+# Where each launcher puts (rank, world size, local rank, local world size).
+LAUNCHER_VARS = {
+    "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),  # or torch elastic, or a user's own
+    "slurm": ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_STEP_TASKS_PER_NODE"),
+    "mpirun": (
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
+    "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),  # and Intel MPI (Hydra)
+}
 
 
 def detect_launcher(environ=None):
-    """Read rank, local rank and world sizes from whichever launcher started this process.
-
-    Returns a dict with the launcher's name, or None for a plain single process.
-    """
-    env = os.environ if environ is None else environ
-    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun / torch elastic (or a user's own)
-        world = int(env["WORLD_SIZE"])
-        return dict(
-            launcher="torchrun",
-            rank=int(env["RANK"]),
-            world_size=world,
-            local_rank=int(env.get("LOCAL_RANK", 0)),
-            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
-        )
-    # SLURM: SLURM_PROCID exists in the batch shell too, where only one process runs; a step
-    # started by srun is marked by SLURM_STEP_ID, so plain `python train.py` in sbatch stays single.
-    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
-        world = int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", 1)))
-        local_world = _first_int(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE"))
-        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
-        return dict(
-            launcher="slurm",
-            rank=int(env["SLURM_PROCID"]),
-            world_size=world,
-            local_rank=int(env.get("SLURM_LOCALID", 0)),
-            local_world_size=local_world or world,
-            master_addr=slurm_first_host(nodelist) if nodelist else None,
-            # Every task derives the same port from the job id, so none has to be agreed on.
-            master_port=str(20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000),
-        )
-    if "OMPI_COMM_WORLD_RANK" in env:  # Open MPI's mpirun
-        world = int(env["OMPI_COMM_WORLD_SIZE"])
-        return dict(
-            launcher="mpirun",
-            rank=int(env["OMPI_COMM_WORLD_RANK"]),
-            world_size=world,
-            local_rank=int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)),
-            local_world_size=int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", world)),
-        )
-    if "PMI_RANK" in env and "PMI_SIZE" in env:  # MPICH / Intel MPI (Hydra)
-        world = int(env["PMI_SIZE"])
-        return dict(
-            launcher="mpirun",
-            rank=int(env["PMI_RANK"]),
-            world_size=world,
-            local_rank=int(env.get("MPI_LOCALRANKID", 0)),
-            local_world_size=int(env.get("MPI_LOCALNRANKS", world)),
-        )
+    """Rank, local rank and world sizes from whichever launcher started this process: a dict
+    with the launcher's name, or None for a plain single process."""
+    env = dict(os.environ if environ is None else environ)
+    # SLURM_PROCID exists in the batch shell too, where only one process runs; a step started
+    # by srun is marked by SLURM_STEP_ID, so a plain `python train.py` in sbatch stays single.
+    if "SLURM_STEP_ID" not in env:
+        env.pop("SLURM_PROCID", None)
+    env.setdefault("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1"))
+    env.setdefault("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_NTASKS_PER_NODE", ""))
+    for launcher, names in LAUNCHER_VARS.items():
+        if names[0] in env and names[1] in env:
+            # SLURM writes task counts per node as "4(x2),3": the first number is this node's.
+            rank, world, local_rank, local_world = (re.match(r"\d*", env.get(n, "")).group() for n in names)
+            found = dict(launcher=launcher if launcher != "mpich" else "mpirun", rank=int(rank), world_size=int(world))
+            found.update(local_rank=int(local_rank or 0), local_world_size=int(local_world or world))
+            if launcher == "slurm":
+                nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+                found["master_addr"] = slurm_first_host(nodelist) if nodelist else None
+                # Every task derives the same port from the job id, so none has to be agreed on.
+                found["master_port"] = str(20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000)
+            return found
     return None
 
 
-def init_distributed_mode(
-    rank=None,
-    world_size=None,
-    local_world_size=None,
-    backend=None,
-    device="auto",
-    timeout_s=300,
-):
+def cuda_device_index(local_rank, local_world_size, device_count, launcher):
+    """Which of the visible GPUs this process takes. torchrun (and srun or mpirun without GPU
+    binding) shows every process all of its node's GPUs: take the local rank's. srun with
+    --gpus-per-task or --gpu-bind (likewise mpirun's binding) shows each task only its own, fewer
+    than the tasks on the node: take the first one it sees."""
+    if launcher in ("slurm", "mpirun") and 0 < device_count < local_world_size:
+        return 0
+    if local_rank < device_count:
+        return local_rank
+    fail(
+        f"local rank {local_rank} has no GPU: this node shows it {device_count}; "
+        "start at most that many processes per node"
+    )
+
+
+def init_distributed_mode(rank=None, world_size=None, backend=None, device="auto", timeout_s=300):
     """Start the process group if this process is one of several; return a DistInfo.
 
     rank/world_size are given by mp.spawn (which sets no environment); every other launcher
@@ -131,11 +118,7 @@ def init_distributed_mode(
     """
     if rank is not None:
         found = dict(
-            launcher="mp.spawn",
-            rank=rank,
-            world_size=world_size,
-            local_rank=rank,
-            local_world_size=local_world_size or world_size,
+            launcher="mp.spawn", rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size
         )
     else:
         found = detect_launcher()
@@ -152,12 +135,8 @@ def init_distributed_mode(
         fail("--device cuda was asked for, but this machine has no usable CUDA device")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
-        if local_rank >= torch.cuda.device_count():
-            fail(
-                f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}; "
-                "start at most that many processes per node"
-            )
-        dev = torch.device("cuda", local_rank)
+        index = cuda_device_index(local_rank, found["local_world_size"], torch.cuda.device_count(), found["launcher"])
+        dev = torch.device("cuda", index)
         # Before the process group: NCCL binds each process to the current device, and
         # without this every rank would create its context on GPU 0.
         torch.cuda.set_device(dev)
@@ -192,15 +171,35 @@ def init_distributed_mode(
                 device_id=dev if use_cuda else None,
             )
         except RuntimeError as e:  # DistStoreError, DistNetworkError and gloo's errors alike
-            _fail_init(e, found, timeout_s)
-    return DistInfo(
-        distributed,
-        found["rank"],
-        local_rank,
-        found["world_size"],
-        found["local_world_size"],
-        dev,
-    )
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            me = f"rank {found['rank']} of {found['world_size']}"
+            if isinstance(e, dist.DistNetworkError):  # nothing listens where rank 0 should be
+                fail(f"{me}: rank 0 did not answer at {where} within --dist-timeout {timeout_s:g} s ({first_line(e)})")
+            if isinstance(e, dist.DistStoreError):  # rank 0's store waited for the others in vain
+                fail(
+                    f"{me}: a peer did not join at {where} within --dist-timeout {timeout_s:g} s ({first_line(e)}); "
+                    "start every process with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE"
+                )
+            fail(f"could not start the process group at {where}: {first_line(e)}")
+    return DistInfo(distributed, found["rank"], local_rank, found["world_size"], found["local_world_size"], dev)
+
+
+def check_restart():
+    """Refuse a torchrun restart that would hang or fail to connect.
+
+    On a restart, torchrun hands the new workers the store of the failed attempt (its static
+    rendezvous always; c10d unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), and it still holds
+    the dead workers' addresses. Whether the new group then connects, fails, or hangs inside
+    gloo past every timeout is a matter of timing; stop it cleanly.
+    """
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if restart and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        fail(
+            f"torchrun restart {restart} cannot work with this launch: the new workers would get the store "
+            "that still holds the dead ones' addresses; launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and "
+            "--standalone (one node) or --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT (several nodes), "
+            "and --output-dir to resume"
+        )
 
 
 def first_line(error):
@@ -218,41 +217,6 @@ PEER_FAILURES = ("closed by peer", "reset by peer", "Broken pipe", "Timed out wa
 def peer_failed(error):
     """Whether a collective failed because another process died or stopped answering."""
     return any(s in str(error) for s in PEER_FAILURES)
-
-
-def check_restart():
-    """Refuse a torchrun restart that would hang or fail to connect.
-
-    Seen with torch 2.14: on a restart, torchrun hands the new workers the store of the
-    failed attempt (its static rendezvous always; c10d unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1),
-    and it still holds the dead workers' addresses. Whether the new group then connects,
-    fails, or hangs inside gloo past every timeout is a matter of timing; stop it cleanly.
-    """
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if restart and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        fail(
-            f"torchrun restart {restart} cannot work with this launch: the new workers would get the store "
-            "that still holds the dead ones' addresses; launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and "
-            "--standalone (one node) or --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT (several nodes), "
-            "and --output-dir to resume"
-        )
-
-
-def _fail_init(error, found, timeout_s):
-    """Explain why the process group did not form, in one line."""
-    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    me = f"rank {found['rank']} of {found['world_size']}"
-    if isinstance(error, dist.DistNetworkError):  # nothing listens where rank 0 should be
-        fail(
-            f"{me}: rank 0 did not answer at {where} within --dist-timeout {timeout_s:g} s "
-            f"({first_line(error)}); is it running, and is that its address?"
-        )
-    if isinstance(error, dist.DistStoreError):  # rank 0's store waited for the others in vain
-        fail(
-            f"{me}: a peer did not join at {where} within --dist-timeout {timeout_s:g} s ({first_line(error)}); "
-            "start every process with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE"
-        )
-    fail(f"could not start the process group at {where}: {first_line(error)}")
 
 
 def cleanup():
@@ -290,6 +254,35 @@ def reduce_value(value, average=False):
     return value
 
 
+def together(fn, run=True):
+    """Call fn() where `run` is true; if it stopped with an error on any rank, every rank stops
+    with that error now. All ranks participate. Without this, a check made on one rank only
+    (is the output directory writable?) ends the others later with "a peer died", which hides
+    the cause, or, with NCCL across nodes, not before --dist-timeout."""
+    result, error = None, None
+    if run:
+        try:
+            result = fn()
+        except SystemExit as e:
+            error = str(e.code)
+    errors = [error]
+    if get_world_size() > 1:
+        errors = [None] * get_world_size()
+        dist.all_gather_object(errors, error)
+    if any(errors):
+        raise SystemExit(next(e for e in errors if e))
+    return result
+
+
+def broadcast_object(obj, src=0):
+    """Rank `src`'s `obj` on every rank (pickled; all ranks participate)."""
+    if get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
 def seed_everything(seed):
     random.seed(seed)
     torch.manual_seed(seed)  # seeds every CUDA device too
@@ -299,15 +292,12 @@ def seed_everything(seed):
 # Data: decoded once into in-memory tensors (24x cheaper than PIL + ToTensor per sample)
 
 DATASETS = ("fashion-mnist", "mnist", "cifar10", "imagefolder", "synthetic")
-IMAGEFOLDER_MEAN, IMAGEFOLDER_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 class InMemoryDataset(Dataset):
-    """Images (N, C, H, W) float and labels (N,) held in memory.
-
-    __getitems__ lets the DataLoader take a whole batch with one indexing operation instead
-    of N __getitem__ calls and a stack; `collate` below passes that batch through.
-    """
+    """Images (N, C, H, W) float and labels (N,) held in memory. __getitems__ lets the
+    DataLoader take a whole batch with one indexing operation instead of N __getitem__ calls
+    and a stack; `collate` below passes that batch through."""
 
     def __init__(self, images, labels, classes):
         self.images, self.labels, self.classes = images, labels, list(classes)
@@ -330,13 +320,11 @@ def collate(batch):
 
 
 def _read_idx(path):
-    """Read an IDX file (the MNIST format), gzipped or not, into a uint8 tensor."""
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rb") as f:
+    """An IDX file (the MNIST format), gzipped or not, as a uint8 tensor."""
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as f:
         data = f.read()
-    ndim = data[3]
-    dims = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
-    return torch.frombuffer(bytearray(data[4 + 4 * ndim :]), dtype=torch.uint8).view(*dims)
+    dims = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(data[3])]
+    return torch.frombuffer(bytearray(data[4 + 4 * data[3] :]), dtype=torch.uint8).view(*dims)
 
 
 def _debian_fashion_mnist_dir():
@@ -355,8 +343,9 @@ def _load_mnist_family(name, data_dir, download):
     cls = datasets.FashionMNIST if name == "fashion-mnist" else datasets.MNIST
     raw = Path(data_dir) / cls.__name__ / "raw"
     try:  # torchvision's own layout: DIR/FashionMNIST/raw/*-ubyte (downloaded or gunzipped)
-        splits = [cls(data_dir, train=t, download=download) for t in (True, False)]
-        return [(s.data, s.targets) for s in splits], cls.classes
+        return [
+            (s.data, s.targets) for s in (cls(data_dir, train=t, download=download) for t in (True, False))
+        ], cls.classes
     except RuntimeError as e:
         problem = f"could not download {name} into {raw} ({first_line(e).rstrip(':')})" if download else None
     # Offline, Debian's package is the next place to look (a failed download included).
@@ -368,15 +357,13 @@ def _load_mnist_family(name, data_dir, download):
             else f"put the four IDX files into {raw}"
         )
         fail(
-            f"{problem}; offline, {offline}"
-            if problem
-            else f"{name} not found in {raw}; pass --download, or offline {offline}"
+            f"{problem}; offline, {offline}" if problem else f"{name} not found in {raw}; pass --download, or {offline}"
         )
-    splits = []
-    for prefix in ("train", "t10k"):
-        images = _read_idx(debian / f"{prefix}-images-idx3-ubyte.gz")
-        splits.append((images, _read_idx(debian / f"{prefix}-labels-idx1-ubyte.gz").long()))
-    return splits, cls.classes
+    read = [
+        (_read_idx(debian / f"{p}-images-idx3-ubyte.gz"), _read_idx(debian / f"{p}-labels-idx1-ubyte.gz"))
+        for p in ("train", "t10k")
+    ]
+    return read, cls.classes
 
 
 def _load_cifar10(data_dir, download):
@@ -386,21 +373,19 @@ def _load_cifar10(data_dir, download):
         splits = [datasets.CIFAR10(data_dir, train=t, download=download) for t in (True, False)]
     except RuntimeError as e:
         fail(
-            f"CIFAR-10 not found in {Path(data_dir) / 'cifar-10-batches-py'} "
-            f"({str(e).splitlines()[0]}); pass --download, or extract cifar-10-python.tar.gz there"
+            f"CIFAR-10 not found in {Path(data_dir) / 'cifar-10-batches-py'} ({first_line(e)}); "
+            "pass --download, or extract cifar-10-python.tar.gz there"
         )
     # (N, H, W, C) uint8 numpy -> (N, C, H, W) tensor
-    pairs = [(torch.from_numpy(s.data).permute(0, 3, 1, 2), torch.tensor(s.targets)) for s in splits]
-    return pairs, splits[0].classes
+    return [(torch.from_numpy(s.data).permute(0, 3, 1, 2), torch.tensor(s.targets)) for s in splits], splits[0].classes
 
 
 def synthetic_data(num_train=2000, num_test=499, num_classes=10, size=28, seed=0):
-    """A learnable data set made on the spot: each class is a fixed smooth pattern and its
-    samples are that pattern plus noise. The test size (499) is divisible by neither 2 nor 3,
-    so exact distributed evaluation is exercised."""
+    """A learnable data set made on the spot: each class is a fixed smooth pattern (random 7x7
+    grids scaled up, which convolutions pick out easily) and its samples are that pattern plus
+    noise. The test size (499) is divisible by neither 2 nor 3, so exact distributed
+    evaluation is exercised."""
     g = torch.Generator().manual_seed(seed)
-    # Smooth class patterns (random 7x7 grids scaled up), which convolutions and pooling
-    # pick out easily; per-pixel noise on top makes every sample different.
     coarse = torch.rand(num_classes, 1, 7, 7, generator=g)
     prototypes = F.interpolate(coarse, size=(size, size), mode="bilinear", align_corners=False)
     splits = []
@@ -408,36 +393,37 @@ def synthetic_data(num_train=2000, num_test=499, num_classes=10, size=28, seed=0
         labels = torch.randint(num_classes, (n,), generator=g)
         images = prototypes[labels] + 0.7 * torch.randn(n, 1, size, size, generator=g)
         splits.append(((images.clamp(0, 1) * 255).to(torch.uint8), labels))
-    return splits, [f"class{i}" for i in range(num_classes)]
+    return splits
+
+
+def imagefolder_size(data_dir, default=224):
+    """The crop size for a user's own images: their own size where it is below `default`
+    (28x28 images scaled up to 224 cost 64x the compute and train worse), else `default`."""
+    from PIL import Image
+
+    first = next((p for p in sorted((Path(data_dir) / "train").glob("*/*")) if p.is_file()), None)
+    if first is None:
+        return default
+    try:
+        with Image.open(first) as image:
+            return min(default, *image.size)
+    except OSError:
+        return default  # not an image: ImageFolder says so below
 
 
 def _load_imagefolder(data_dir, image_size):
     from torchvision import datasets, transforms
 
-    norm = transforms.Normalize(IMAGEFOLDER_MEAN, IMAGEFOLDER_STD)
-    train_tf = transforms.Compose(
-        [
-            transforms.RandomResizedCrop(image_size),
-            transforms.RandomHorizontalFlip(),
-            transforms.ToTensor(),
-            norm,
-        ]
-    )
-    val_tf = transforms.Compose(
-        [
-            transforms.Resize(int(image_size * 8 / 7)),
-            transforms.CenterCrop(image_size),
-            transforms.ToTensor(),
-            norm,
-        ]
-    )
+    norm = transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))  # ImageNet's
+    train_tf = [transforms.RandomResizedCrop(image_size), transforms.RandomHorizontalFlip()]
+    val_tf = [transforms.Resize(int(image_size * 8 / 7)), transforms.CenterCrop(image_size)]
     out = []
     for split, tf in (("train", train_tf), ("val", val_tf)):
         path = Path(data_dir) / split
         if not path.is_dir():
             fail(f"imagefolder: {path} is missing; expected DIR/train/<class>/* and DIR/val/<class>/*")
         try:
-            out.append(datasets.ImageFolder(path, transform=tf))
+            out.append(datasets.ImageFolder(path, transform=transforms.Compose([*tf, transforms.ToTensor(), norm])))
         except (FileNotFoundError, OSError) as e:
             fail(f"imagefolder: {path}: {str(e).splitlines()[0]}")
     if out[0].classes != out[1].classes:
@@ -445,19 +431,12 @@ def _load_imagefolder(data_dir, image_size):
     return out
 
 
-def load_datasets(name, data_dir, download=False, image_size=224):
-    """Return (train_set, test_set, num_classes, in_channels).
-
-    The MNIST family and CIFAR-10 are decoded once into normalised float tensors; ImageFolder
-    (a user's own images, too many to hold in memory) is read from disk per sample.
-    """
-    if name not in DATASETS:
-        fail(f"unknown data set {name!r}; choose from {', '.join(DATASETS)}")
+def _load(name, data_dir, download, image_size):
     if name == "imagefolder":
         train, test = _load_imagefolder(data_dir, image_size)
         return train, test, len(train.classes), 3
     if name == "synthetic":
-        splits, classes = synthetic_data()
+        splits, classes = synthetic_data(), [f"class{i}" for i in range(10)]
     elif name == "cifar10":
         splits, classes = _load_cifar10(data_dir, download)
     else:
@@ -465,29 +444,28 @@ def load_datasets(name, data_dir, download=False, image_size=224):
     # uint8 (N, H, W) or (N, C, H, W) -> float (N, C, H, W) in [0, 1]
     images = [(x.unsqueeze(1) if x.dim() == 3 else x).float().div_(255) for x, _ in splits]
     # Normalise with the training split's per-channel statistics (no test-set leakage).
-    mean = images[0].mean(dim=(0, 2, 3), keepdim=True)
-    std = images[0].std(dim=(0, 2, 3), keepdim=True)
+    mean, std = images[0].mean(dim=(0, 2, 3), keepdim=True), images[0].std(dim=(0, 2, 3), keepdim=True)
     train, test = (
         InMemoryDataset((x - mean) / std, y.long(), classes) for x, (_, y) in zip(images, splits, strict=True)
     )
     return train, test, len(classes), train.images.shape[1]
 
 
-def random_crop_flip(images, pad=4):
-    """The standard CIFAR augmentation for a whole batch on its device: each image shifted by
-    up to `pad` pixels (a random crop of the zero-padded image) and flipped left-right with
-    probability 1/2. One indexing operation instead of a PIL transform per sample."""
-    n, _, h, w = images.shape
-    dev = images.device
-    padded = F.pad(images, (pad, pad, pad, pad)).permute(0, 2, 3, 1)  # (N, H+2p, W+2p, C)
-    dy = torch.randint(0, 2 * pad + 1, (n, 1, 1), device=dev)
-    dx = torch.randint(0, 2 * pad + 1, (n, 1, 1), device=dev)
-    flip = torch.rand(n, 1, 1, device=dev) < 0.5
-    y, x = torch.arange(h, device=dev).view(1, h, 1), torch.arange(w, device=dev).view(1, 1, w)
-    rows = (dy + y).expand(n, h, w)
-    cols = (dx + torch.where(flip, w - 1 - x, x)).expand(n, h, w)
-    batch = torch.arange(n, device=dev).view(n, 1, 1).expand(n, h, w)
-    return padded[batch, rows, cols].permute(0, 3, 1, 2)  # back to (N, C, H, W), NHWC in memory
+def load_datasets(name, data_dir, download=False, image_size=224, local_rank=0):
+    """Return (train_set, test_set, num_classes, in_channels). The MNIST family and CIFAR-10 are
+    decoded once into normalised float tensors; ImageFolder (a user's own images, too many to
+    hold in memory) is read from disk per sample. All ranks participate when downloading."""
+    if name not in DATASETS:
+        fail(f"unknown data set {name!r}; choose from {', '.join(DATASETS)}")
+    result = None
+    if download and get_world_size() > 1 and name in ("fashion-mnist", "mnist", "cifar10"):
+        # torchvision downloads into the final file names, so ranks downloading at once truncate
+        # each other's files. Global rank 0 downloads first, then the first process of each
+        # other node (nothing to do where the directory is shared); the rest only read.
+        for turn in (get_rank() == 0, local_rank == 0 and get_rank() != 0):
+            result = together(lambda: _load(name, data_dir, True, image_size), run=turn) or result
+        download = False
+    return result or _load(name, data_dir, download, image_size)
 
 
 # ----------------------------------------------------------------------------------------
@@ -501,13 +479,9 @@ class SmallCNN(nn.Module):
     def __init__(self, in_channels=1, num_classes=10, widths=(16, 32, 64)):
         super().__init__()
         layers, c = [], in_channels
-        for w in widths:
-            layers += [
-                nn.Conv2d(c, w, 3, padding=1, bias=False),  # BN has its own bias
-                nn.BatchNorm2d(w),
-                nn.ReLU(inplace=True),
-                nn.MaxPool2d(2),
-            ]
+        for w in widths:  # no conv bias: BatchNorm has its own
+            layers += [nn.Conv2d(c, w, 3, padding=1, bias=False), nn.BatchNorm2d(w), nn.ReLU(inplace=True)]
+            layers.append(nn.MaxPool2d(2))
             c = w
         self.features = nn.Sequential(*layers)
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(3), nn.Flatten(), nn.Linear(c * 9, num_classes))
@@ -555,25 +529,20 @@ def build_model(name, in_channels, num_classes, image_size=28):
 
 def eval_shard(dataset, rank, world_size):
     """This rank's share of the test set: every sample exactly once over all ranks.
-
     DistributedSampler would pad the set with duplicates so that each rank gets the same
-    count; counted in accuracy, those duplicates make the figure depend on the world size.
-    """
+    count; counted in accuracy, those make the figure depend on the world size."""
     return torch.utils.data.Subset(dataset, range(rank, len(dataset), world_size))
 
 
 @torch.no_grad()
 def evaluate(model, loader, device, autocast=None):
-    """Loss and accuracy over the whole test set, exact for any world size.
-
-    `model` must be the unwrapped module: DDP's forward broadcasts buffers, a collective
-    that would hang when ranks have different numbers of eval batches. All ranks participate.
-    """
+    """Loss and accuracy over the whole test set, exact for any world size. `model` must be
+    the unwrapped module: DDP's forward broadcasts buffers, a collective that would hang when
+    ranks have different numbers of eval batches. All ranks participate."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     for images, labels in loader:
-        images = images.to(device, non_blocking=True)
-        labels = labels.to(device, non_blocking=True)
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with autocast or torch.autocast(device.type, enabled=False):
             logits = model(images)
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
@@ -587,18 +556,6 @@ def evaluate(model, loader, device, autocast=None):
 # Checkpoints and metrics
 
 
-def unwrap(model):
-    """The bare module under DDP / DataParallel / torch.compile wrappers, whose state_dict
-    has no `module.` or `_orig_mod.` prefixes and loads into a plain model."""
-    while True:
-        if hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            model = model.module
-        else:
-            return model
-
-
 def rng_state():
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -608,9 +565,10 @@ def rng_state():
 
 def set_rng_state(state):
     random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
+    # RNG states are CPU ByteTensors whatever the training device: set_rng_state refuses others.
+    torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"].cpu())
 
 
 def atomic_write(path, write):
@@ -636,19 +594,17 @@ def save_checkpoint(state, path):
     atomic_write(path, lambda tmp: torch.save(state, tmp))
 
 
-def read_torch_file(path, device="cpu", what="checkpoint"):
-    """torch.load a file safely, or stop with a one-line error naming it (`what` says which
-    flag or kind of file it is).
-
-    weights_only=True unpickles tensors and plain containers only: a file from elsewhere
-    cannot run code. map_location puts tensors on this rank's device (without it every rank
-    would load onto the GPU the tensors were saved from).
-    """
+def read_torch_file(path, what="checkpoint"):
+    """torch.load a file safely onto the CPU, or stop with a one-line error naming it (`what`
+    says which flag or kind of file it is). weights_only=True unpickles tensors and plain
+    containers only: a file from elsewhere cannot run code. map_location="cpu": tensors saved
+    from a GPU land on the CPU (not all on the GPU they came from), and load_state_dict copies
+    them to each rank's device; RNG states must stay CPU tensors anyway."""
     path = Path(path)
     if not path.is_file():
         fail(f"{what} {path} does not exist")
     try:
-        return torch.load(path, map_location=device, weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure to read is reported the same way
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
         if any("Unsupported global" in ln for ln in lines):  # a class or function it would have to call
@@ -657,9 +613,9 @@ def read_torch_file(path, device="cpu", what="checkpoint"):
         fail(f"cannot read {what} {path} (truncated or not a PyTorch file): {reason}")
 
 
-def load_checkpoint(path, device="cpu"):
+def load_checkpoint(path):
     """A checkpoint of these scripts (a dict with a 'model' state dict), read safely."""
-    ckpt = read_torch_file(path, device)
+    ckpt = read_torch_file(path)
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict):
         fail(f"{path} is not a checkpoint of these scripts (no 'model' state dict in it)")
     return ckpt
@@ -701,7 +657,6 @@ def append_metrics(path, record):
 def trim_metrics(path, start_epoch):
     """On resume, drop lines of epochs that will run again, so every epoch appears once."""
     path = Path(path)
-    if not path.exists():
-        return
-    keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["epoch"] < start_epoch]
-    atomic_write(path, lambda tmp: tmp.write_text("".join(ln + "\n" for ln in keep)))
+    if path.exists():
+        keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["epoch"] < start_epoch]
+        atomic_write(path, lambda tmp: tmp.write_text("".join(ln + "\n" for ln in keep)))

@@ -15,7 +15,10 @@ Launch (the same file, nothing to edit; see README.md for SLURM and mpirun):
         --max-restarts=3 ddp_train.py --output-dir runs/ddp --save-every 200   # restarts
 
 A restart (or a rerun with the same --output-dir) resumes from the last snapshot, in the
-middle of an epoch where --save-every wrote one. Restarts need --standalone or
+middle of an epoch where --save-every wrote one. dp_train.py (nn.DataParallel) and
+ddp_mp_spawn.py (the same DDP, started by mp.spawn) are shorter copies of this file without
+its advanced options (gradient compression, mid-epoch snapshots, --eval-only): diff them
+against it to see what a strategy or a launcher changes. Restarts need --standalone or
 --rdzv-backend=c10d, and, with torch 2.14, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: otherwise
 torchrun hands the restarted workers a store that still holds the dead ones' addresses, and
 the new group may fail to connect or hang; this script then refuses the restart, saying so.
@@ -24,10 +27,6 @@ Learning rate: --batch-size is per process, so the global batch is
 batch_size x world_size x accum_steps, and --lr is the peak rate for a global batch of 256,
 scaled linearly with the global batch (Goyal et al., 2017: "Accurate, Large Minibatch SGD").
 The warm-up at the start of the schedule is what keeps large scaled rates stable.
-
-With the defaults (a small CNN, 5 epochs, one-cycle SGD, channels_last), 2 processes on 2 CPU
-cores reached 91.1% Fashion-MNIST test accuracy after 31 s of training and 91.9% after 53 s,
-against 76.6% after 87 s for the classic LeNet recipe (benchmarks/results.md).
 """
 
 import argparse
@@ -51,6 +50,7 @@ from common import (
     MODELS,
     ArgumentParser,
     append_metrics,
+    broadcast_object,
     build_model,
     check_output_dir,
     cleanup,
@@ -59,28 +59,31 @@ from common import (
     evaluate,
     fail,
     first_line,
+    imagefolder_size,
     init_distributed_mode,
     load_checkpoint,
     load_datasets,
     load_model_state,
     peer_failed,
     print0,
-    random_crop_flip,
     reduce_value,
     rng_state,
     save_checkpoint,
     seed_everything,
     set_rng_state,
+    together,
     trim_metrics,
 )
 
 
-def get_args(argv=None, description=None):
-    p = ArgumentParser(description=description or __doc__.splitlines()[0])
+def get_args(argv=None):
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default="fashion-mnist", choices=DATASETS, help="data set")
     p.add_argument("--data-dir", default="data", help="root holding the data set (torchvision layout)")
     p.add_argument("--download", action="store_true", help="download the data set if missing")
-    p.add_argument("--image-size", type=int, default=224, help="imagefolder only: crop size in pixels")
+    p.add_argument(
+        "--image-size", type=int, default=None, help="imagefolder: crop size (default: the images' own, at most 224)"
+    )
     p.add_argument("--model", default="cnn", choices=sorted(MODELS), help="network")
     p.add_argument("--epochs", type=int, default=5, help="passes over the training set")
     p.add_argument("--batch-size", type=int, default=128, help="samples per process per step")
@@ -134,7 +137,7 @@ def get_args(argv=None, description=None):
     p.add_argument("--dist-timeout", type=float, default=300, help="seconds before a missing peer ends the job")
     args = p.parse_args(argv)
     for name in ("epochs", "batch_size", "accum_steps", "log_every", "image_size", "powersgd_rank"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     for name in ("lr", "dist_timeout"):
         if not getattr(args, name) > 0:
@@ -149,6 +152,10 @@ def get_args(argv=None, description=None):
         fail(f"--warmup is a fraction of the run, in [0, 1); got {args.warmup}")
     if args.eval_only and not args.resume:
         fail("--eval-only needs --resume PATH (the checkpoint to evaluate)")
+    if args.comm_hook == "powersgd" and args.amp == "fp16":
+        # One fp16 overflow puts inf into PowerSGD's error feedback, which it then adds to every
+        # later gradient: every step after is skipped by the GradScaler, the loss looks fine.
+        fail("--comm-hook powersgd cannot take --amp fp16 (an overflow poisons its error feedback); use --amp bf16")
     return args
 
 
@@ -183,6 +190,23 @@ def check_finite(totals, first_bad_step, info):
         f"non-finite loss at step {int(first_bad_step.item())}: "
         "lower --lr, add --clip-grad, or use --amp bf16 instead of fp16"
     )
+
+
+def random_crop_flip(images, pad=4):
+    """The standard CIFAR augmentation for a whole batch on its device: each image shifted by
+    up to `pad` pixels (a random crop of the zero-padded image) and flipped left-right with
+    probability 1/2. One indexing operation instead of a PIL transform per sample."""
+    n, _, h, w = images.shape
+    dev = images.device
+    padded = F.pad(images, (pad, pad, pad, pad)).permute(0, 2, 3, 1)  # (N, H+2p, W+2p, C)
+    dy = torch.randint(0, 2 * pad + 1, (n, 1, 1), device=dev)
+    dx = torch.randint(0, 2 * pad + 1, (n, 1, 1), device=dev)
+    flip = torch.rand(n, 1, 1, device=dev) < 0.5
+    y, x = torch.arange(h, device=dev).view(1, h, 1), torch.arange(w, device=dev).view(1, 1, w)
+    rows = (dy + y).expand(n, h, w)
+    cols = (dx + torch.where(flip, w - 1 - x, x)).expand(n, h, w)
+    batch = torch.arange(n, device=dev).view(n, 1, 1).expand(n, h, w)
+    return padded[batch, rows, cols].permute(0, 3, 1, 2)  # back to (N, C, H, W), NHWC in memory
 
 
 def train_one_epoch(model, loader, optimizer, scheduler, scaler, autocast, args, info, step, steps, snapshot=None):
@@ -356,9 +380,7 @@ def in_bucket_order(hook):
     return hook_in_order
 
 
-def train(args, info, wrap=wrap_ddp):
-    """The whole run. `wrap` puts the parallel wrapper around the model (dp_train.py passes
-    nn.DataParallel instead of DDP)."""
+def train(args, info):
     device, rank, world = info.device, info.rank, info.world_size
     is_main = rank == 0
     if args.sync_bn and device.type != "cuda":
@@ -368,8 +390,10 @@ def train(args, info, wrap=wrap_ddp):
 
     # Same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
     seed_everything(args.seed)
+    if args.data == "imagefolder" and args.image_size is None:
+        args.image_size = imagefolder_size(args.data_dir)
     train_set, test_set, num_classes, in_channels = load_datasets(
-        args.data, args.data_dir, args.download, args.image_size
+        args.data, args.data_dir, args.download, args.image_size, info.local_rank
     )
     if len(train_set) // world < args.batch_size * args.accum_steps:
         fail(
@@ -390,8 +414,10 @@ def train(args, info, wrap=wrap_ddp):
     # Only now, with data and flags found good, is anything written: a run that stops on bad
     # input leaves no half-made output directory. A checkpoint holds the weights and SGD's
     # momentum buffer of the same size; atomic saving writes it beside the previous one.
+    # Rank 0 checks and every rank learns the outcome (all ranks participate): a refusal
+    # stops all of them at once with its real cause.
     model_bytes = sum(t.numel() * t.element_size() for t in raw_model.state_dict().values())
-    out = check_output_dir(args.output_dir, need_bytes=2 * model_bytes) if args.output_dir and is_main else None
+    out = together(lambda: check_output_dir(args.output_dir, 2 * model_bytes), run=bool(args.output_dir) and is_main)
 
     global_batch = args.batch_size * world * args.accum_steps
     lr = args.lr * global_batch / 256  # linear scaling rule
@@ -404,19 +430,26 @@ def train(args, info, wrap=wrap_ddp):
     autocast = functools.partial(torch.autocast, device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
 
     step = 0  # optimizer steps so far; the position in the data is divmod(step, steps_per_epoch)
-    resume = args.resume
+    # Rank 0 alone decides whether there is a checkpoint, reads it and sends it to the others
+    # (all ranks participate): ranks that looked for themselves could see different files (an
+    # output directory that is not shared between nodes, a network file system's stale view),
+    # resume from different steps, and their collectives would not match.
     auto = Path(args.output_dir or "", "checkpoint.pt")
-    if resume is None and args.output_dir and auto.is_file():
-        resume = auto
+    resume = args.resume or (auto if args.output_dir and auto.is_file() else None)
+    resume, ckpt = broadcast_object(together(lambda: (resume, resume and load_checkpoint(resume)), run=is_main))
     if resume:
-        ckpt = load_checkpoint(resume, device)
         load_model_state(raw_model, ckpt["model"], resume)
         if not args.eval_only:
+            changed = [k for k in ("epochs", "schedule", "warmup") if ckpt["args"][k] != getattr(args, k)]
+            if changed:  # the schedule is a function of these: it cannot go on where it was
+                was = ", ".join(f"--{k} {ckpt['args'][k]}" for k in changed)
+                fail(f"{resume} was trained with {was}; resume with the same, or start anew in another --output-dir")
             # The optimizer's state also brings back the old run's peak rate (OneCycleLR keeps
             # it in the param groups); keep this run's, which may be scaled for another world size.
             fresh = [{k: g[k] for k in ("initial_lr", "max_lr", "min_lr") if k in g} for g in optimizer.param_groups]
             optimizer.load_state_dict(ckpt["optimizer"])
-            scaler.load_state_dict(ckpt["scaler"])
+            if ckpt["scaler"]:  # empty when saved without fp16: a new --amp fp16 starts a fresh scaler
+                scaler.load_state_dict(ckpt["scaler"])
             if ckpt["world_size"] == world and ckpt["steps_per_epoch"] == steps_per_epoch:
                 step = ckpt["step"]
                 scheduler.load_state_dict(ckpt["scheduler"])
@@ -438,7 +471,7 @@ def train(args, info, wrap=wrap_ddp):
         print0(f"eval {resume}: test_loss {test_loss:.4f} test_acc {test_acc:.4f} ({len(test_set)} samples)")
         return
 
-    model = wrap(model, info)
+    model = wrap_ddp(model, info)
     powersgd = None
     if args.comm_hook != "none":
         if isinstance(model, DDP):
@@ -478,12 +511,13 @@ def train(args, info, wrap=wrap_ddp):
             )
             save_checkpoint(state, out / "checkpoint.pt")
 
+    size = "x".join(map(str, train_set[0][0].shape[-2:]))
     print0(
-        f"{args.model} on {args.data}: {world} process(es) on {device.type}, global batch {global_batch}, "
-        f"peak lr {lr:.3g}, {steps_per_epoch} steps/epoch"
+        f"{args.model} on {args.data} ({size} images): {world} process(es) on {device.type}, "
+        f"global batch {global_batch}, peak lr {lr:.3g}, {steps_per_epoch} steps/epoch"
     )
     if start_epoch >= args.epochs:
-        print0(f"{resume} already holds all {args.epochs} epochs: nothing to train (raise --epochs to go on)")
+        print0(f"{resume} already holds all {args.epochs} epochs: nothing to train")
     for epoch in range(start_epoch, args.epochs):
         if args.max_steps and step >= args.max_steps:
             break
@@ -533,12 +567,9 @@ def train(args, info, wrap=wrap_ddp):
         print0(f"powersgd: {rate:.1f}x fewer gradient numbers all-reduced than plain DDP after the first {start} steps")
 
 
-def main(argv=None, rank=None, world_size=None):
-    """Entry point; mp.spawn passes rank and world_size (see ddp_mp_spawn.py)."""
+def main(argv=None):
     args = get_args(argv)
-    info = init_distributed_mode(
-        rank, world_size, backend=args.backend, device=args.device, timeout_s=args.dist_timeout
-    )
+    info = init_distributed_mode(backend=args.backend, device=args.device, timeout_s=args.dist_timeout)
     try:
         train(args, info)
         if info.distributed:

@@ -81,7 +81,7 @@ def test_random_crop_flip_takes_a_shifted_possibly_flipped_crop_of_each_image():
     # the crop of the zero-padded input; and across a batch both flips and several shifts occur.
     torch.manual_seed(0)
     images = torch.randn(64, 3, 8, 8)
-    out = common.random_crop_flip(images, pad=2)
+    out = ddp_train.random_crop_flip(images, pad=2)
     assert out.shape == images.shape
     padded = torch.nn.functional.pad(images, (2, 2, 2, 2))
     seen = set()

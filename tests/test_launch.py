@@ -204,7 +204,7 @@ def test_thread_budget_respects_omp_num_threads(fake_init):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     torch.set_num_threads(3)
-    common.init_distributed_mode(rank=0, world_size=1, local_world_size=2)
+    common.init_distributed_mode(rank=0, world_size=2)
     assert torch.get_num_threads() == 3
 
 

@@ -1,0 +1,106 @@
+"""The three copies of the data-parallel loop cannot drift apart unnoticed.
+
+dp_train.py (one process, nn.DataParallel), ddp_mp_spawn.py (2 processes from mp.spawn) and
+ddp_train.py (torchrun, 2 processes) each hold their own training loop. From the same seed
+and the same global batch (32 = 2 x 16) they must take the same optimizer steps: the same
+samples in each step (DistributedSampler's permutation, or dp_train's RandomSampler reseeded
+the same way), the same scaled learning rate and schedule, the same loss. The MLP has no
+BatchNorm, so 2 processes equal one up to float rounding. Checked straight through 2 epochs
+and across a stop after the first epoch and a resume.
+"""
+
+import pytest
+from conftest import (
+    DIST_TIMEOUT,
+    SYNTHETIC,
+    clean_env,
+    free_port,
+    load_ckpt,
+    max_abs_diff,
+    run_python,
+    run_ranks,
+    torchrun,
+)
+
+import common
+
+# 62 steps per epoch (2000 samples, global batch 32), 2 epochs. The rate is high enough that
+# the weights move far more than the tolerance.
+ARGS = [*SYNTHETIC, "--model", "mlp", "--epochs", "2", "--lr", "0.8", "--warmup", "0.1"]
+EPOCH = ["--max-steps", "62"]
+ATOL = 1e-4  # 124 steps of float rounding apart; the weights move by more than 0.05
+
+
+def dp(out, *extra):
+    run_python(["dp_train.py", *ARGS, "--batch-size", "32", "--output-dir", out, *extra])
+
+
+def mp_spawn(out, *extra):
+    run_python(
+        ["ddp_mp_spawn.py", "--nprocs", "2", *ARGS, *DIST_TIMEOUT, "--batch-size", "16", "--output-dir", out, *extra]
+    )
+
+
+def ddp(out, *extra):
+    torchrun(2, ["ddp_train.py", *ARGS, *DIST_TIMEOUT, "--batch-size", "16", "--output-dir", out, *extra])
+
+
+LAUNCH = {"dp_train": dp, "ddp_mp_spawn": mp_spawn, "ddp_train": ddp}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """dp_train.py through both epochs without a stop: the reference."""
+    out = tmp_path_factory.mktemp("dp_straight")
+    dp(out)
+    return load_ckpt(out)
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """ddp_train.py (torchrun, 2 processes) stopped after its first epoch."""
+    out = tmp_path_factory.mktemp("ddp_stopped")
+    ddp(out, *EPOCH)
+    return out
+
+
+def test_the_weights_moved(straight):
+    common.seed_everything(0)  # what every script does just before it builds the model
+    initial = common.build_model("mlp", 1, 10).state_dict()
+    assert max_abs_diff(initial, straight["model"]) > 50 * ATOL
+
+
+@pytest.mark.parametrize("script", ["ddp_mp_spawn", "ddp_train"])
+def test_same_weights_as_dataparallel(straight, tmp_path, script):
+    LAUNCH[script](tmp_path)
+    ckpt = load_ckpt(tmp_path)
+    assert ckpt["step"] == straight["step"] == 124
+    assert max_abs_diff(ckpt["model"], straight["model"]) < ATOL
+
+
+@pytest.mark.parametrize("script", ["dp_train", "ddp_mp_spawn", "ddp_train"])
+def test_stop_and_resume_at_an_epoch_boundary(straight, tmp_path, script):
+    LAUNCH[script](tmp_path, *EPOCH)
+    first = load_ckpt(tmp_path)
+    assert (first["epoch"], first["epoch_step"], first["step"]) == (1, 0, 62)
+    LAUNCH[script](tmp_path)  # finds the checkpoint and goes on from epoch 1
+    ckpt = load_ckpt(tmp_path)
+    assert ckpt["step"] == 124
+    assert max_abs_diff(ckpt["model"], straight["model"]) < ATOL
+
+
+def test_ranks_resume_from_rank_0s_checkpoint(straight, stopped, tmp_path):
+    """Rank 0 finds a checkpoint, rank 1 sees an empty directory (an output directory that is
+    not shared between nodes). Rank 0 alone decides, reads and sends the checkpoint: both
+    resume from step 62 and finish as an uninterrupted run would. Had rank 1 looked for itself,
+    it would start from step 0 and the ranks' collectives would not match."""
+    port = str(free_port())
+    envs = [clean_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for r in range(2)]
+    empty = tmp_path / "rank1"
+    argv = ["ddp_train.py", *ARGS, *DIST_TIMEOUT, "--batch-size", "16", "--output-dir"]
+    rank0, _ = run_ranks([[*argv, stopped], [*argv, empty]], envs, timeout=120)
+    assert "resumed from" in rank0.stdout
+    ckpt = load_ckpt(stopped)
+    assert ckpt["step"] == 124
+    assert max_abs_diff(ckpt["model"], straight["model"]) < ATOL
+    assert not (empty / "checkpoint.pt").exists()  # only rank 0 writes
