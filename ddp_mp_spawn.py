@@ -166,8 +166,10 @@ def train(args, info):
     step = 0
     if ckpt:
         load_model_state(model, ckpt["model"], path)  # onto this rank's device
-        if ckpt["args"]["epochs"] != args.epochs or ckpt["args"]["warmup"] != args.warmup:
-            fail(f"{path} was trained with other --epochs or --warmup; resume with the same ones")
+        changed = [k for k in ("epochs", "warmup") if ckpt["args"][k] != getattr(args, k)]
+        if changed:  # the schedule is a function of these: it cannot go on where it was
+            was = ", ".join(f"--{k} {ckpt['args'][k]}" for k in changed)
+            fail(f"{path} was trained with {was}; resume with the same, or start anew in another --output-dir")
         optimizer.load_state_dict(ckpt["optimizer"])
         if ckpt["scaler"]:  # empty when saved without fp16
             scaler.load_state_dict(ckpt["scaler"])

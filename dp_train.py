@@ -21,7 +21,6 @@ Launch:
 scaled linearly with the batch (as in ddp_train.py, whose global batch this matches).
 """
 
-import functools
 import math
 import time
 from pathlib import Path
@@ -165,8 +164,10 @@ def train(args, device):
     if args.output_dir and ckpt_path.is_file():
         ckpt = load_checkpoint(ckpt_path)  # onto the CPU; load_state_dict copies to the device
         load_model_state(model, ckpt["model"], ckpt_path)
-        if ckpt["args"]["epochs"] != args.epochs or ckpt["args"]["warmup"] != args.warmup:
-            fail(f"{ckpt_path} was trained with other --epochs or --warmup; resume with the same ones")
+        changed = [k for k in ("epochs", "warmup") if ckpt["args"][k] != getattr(args, k)]
+        if changed:  # the schedule is a function of these: it cannot go on where it was
+            was = ", ".join(f"--{k} {ckpt['args'][k]}" for k in changed)
+            fail(f"{ckpt_path} was trained with {was}; resume with the same, or start anew in another --output-dir")
         optimizer.load_state_dict(ckpt["optimizer"])
         if ckpt["scaler"]:  # empty when saved without fp16
             scaler.load_state_dict(ckpt["scaler"])

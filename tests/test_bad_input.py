@@ -177,3 +177,50 @@ def test_dp_train_refuses_several_processes(no_launcher, tmp_path):
 
 def test_batch_larger_than_a_shard(no_launcher, tmp_path):
     assert "--batch-size" in fails(ddp_train.main, [*SYNTHETIC, "--batch-size", "4096"])
+
+
+# ----------------------------------------------------------------------------------------
+# Resuming with other flags
+
+
+def test_resume_with_other_epochs_is_refused_in_one_line(no_launcher, tmp_path):
+    """The schedule is a function of --epochs: OneCycleLR's restored state would stop with
+    "Tried to step N times", and a cosine schedule would jump back up. Refused, checkpoint kept."""
+    out = tmp_path / "out"
+    ddp_train.main([*SYNTHETIC, "--epochs", "1", "--max-steps", "2", "--output-dir", str(out)])
+    before = (out / "checkpoint.pt").read_bytes()
+    for script in (ddp_train, dp_train):
+        assert "--epochs 1" in fails(script.main, [*SYNTHETIC, "--epochs", "2", "--output-dir", str(out)])
+    assert (out / "checkpoint.pt").read_bytes() == before
+
+
+def test_resume_may_switch_to_fp16(no_launcher, tmp_path):
+    """A checkpoint saved without fp16 has an empty GradScaler state; a resume with --amp fp16
+    starts a fresh scaler instead of crashing in scaler.load_state_dict."""
+    out = str(tmp_path / "out")
+    ddp_train.main([*SYNTHETIC, "--model", "mlp", "--epochs", "2", "--max-steps", "2", "--output-dir", out])
+    ddp_train.main(
+        [*SYNTHETIC, "--model", "mlp", "--epochs", "2", "--max-steps", "4", "--amp", "fp16", "--output-dir", out]
+    )
+    ckpt = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)
+    assert ckpt["step"] == 4 and ckpt["scaler"]["scale"] > 0
+
+
+def test_powersgd_with_fp16_is_refused(no_launcher):
+    assert "--amp fp16" in fails(ddp_train.main, [*CHEAP, "--comm-hook", "powersgd", "--amp", "fp16"])
+
+
+def test_a_check_on_rank_0_stops_every_rank_with_its_cause(tmp_path):
+    """Only rank 0 checks the output directory; the other rank must stop at once with the same
+    cause, not later with "another process died"."""
+    from conftest import clean_env, free_port, run_ranks
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    port = str(free_port())
+    envs = [clean_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for r in range(2)]
+    argv = ["ddp_train.py", *SYNTHETIC, "--dist-timeout", "60", "--output-dir", blocker / "out"]
+    for rank in run_ranks(argv, envs, timeout=60, check=False):
+        assert rank.returncode == 1
+        last = rank.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: output directory") and "not writable" in last, rank.stderr

@@ -104,3 +104,64 @@ def test_augmented_training_runs(tmp_path):
         ["ddp_train.py", *SYNTHETIC, "--augment", "--epochs", "1", "--max-steps", "3", "--no-channels-last"]
     )
     assert "epoch 0:" in proc.stdout
+
+
+def _download_rank(rank, world, local_ranks, port, log):
+    """One rank of a 3-process gloo group on 2 "nodes" (local ranks 0, 1 | 0) that loads
+    Fashion-MNIST with --download; the download is replaced by a slow stand-in that logs when
+    it starts and ends, so overlapping downloads show in the log."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    real_load = common._load
+
+    def fake_load(name, data_dir, download, image_size):
+        with open(log, "a") as f:
+            f.write(f"{rank} {int(download)} start {time.time()}\n")
+        time.sleep(0.5 if download else 0)
+        with open(log, "a") as f:
+            f.write(f"{rank} {int(download)} end {time.time()}\n")
+        return real_load("synthetic", data_dir, False, image_size)
+
+    common._load = fake_load
+    try:
+        common.load_datasets("fashion-mnist", "unused", download=True, local_rank=local_ranks[rank])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_download_happens_once_per_node_while_the_others_wait(tmp_path):
+    """torchvision downloads into the final file names: ranks downloading at once truncate
+    each other's files. Global rank 0 downloads first, then the first process of the other
+    node; rank 1 (the second process of node 0) only reads, after rank 0's download ended."""
+    from conftest import free_port
+
+    log = tmp_path / "log"
+    torch.multiprocessing.spawn(_download_rank, args=(3, [0, 1, 0], free_port(), log), nprocs=3)
+    events = {}
+    for line in log.read_text().splitlines():
+        rank, download, what, when = line.split()
+        events[(int(rank), what)] = (int(download), float(when))
+    assert {r for (r, _), (d, _) in events.items() if d} == {0, 2}  # the downloaders
+    assert events[(0, "end")][1] <= events[(2, "start")][1]  # one after the other
+    assert events[(1, "start")] == (0, events[(1, "start")][1]) and events[(0, "end")][1] <= events[(1, "start")][1]
+
+
+def test_small_images_train_at_their_own_size(tmp_path):
+    """An ImageFolder of 28x28 images: the crop defaults to 28, not 224 (64x the compute)."""
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for c in range(2):
+            (tmp_path / split / f"c{c}").mkdir(parents=True)
+            for i in range(4):
+                Image.new("RGB", (28, 28), (80 * c, 10 * i, 0)).save(tmp_path / split / f"c{c}" / f"{i}.png")
+    argv = ["--data", "imagefolder", "--data-dir", tmp_path, "--device", "cpu", "--max-steps", "1", "--batch-size", "4"]
+    proc = run_python(["ddp_train.py", *argv])
+    assert "(28x28 images)" in proc.stdout
+    proc = run_python(["ddp_train.py", *argv, "--image-size", "20"])
+    assert "(20x20 images)" in proc.stdout

@@ -87,10 +87,32 @@ def test_torchrun_inside_a_slurm_job_wins():
         ("login1,gpu[1-2]", "login1"),
         ("rack-1-n[10-11]", "rack-1-n10"),
         ("c[1]", "c1"),
+        ("rack[1-2]-node[01-04]", "rack1-node01"),
+        ("nid[001-004]-ib", "nid001-ib"),
+        ("rack[3,5]-n[7-8],login1", "rack3-n7"),
     ],
 )
 def test_slurm_first_host(nodelist, first):
     assert common.slurm_first_host(nodelist) == first
+
+
+@pytest.mark.parametrize(
+    "local_rank, local_world, gpus, launcher, index",
+    [
+        (1, 2, 2, "torchrun", 1),  # every process sees the node's GPUs: the local rank's
+        (3, 4, 4, "slurm", 3),  # srun without GPU binding: the same
+        (3, 4, 1, "slurm", 0),  # srun --gpus-per-task=1: each task sees only its own
+        (1, 2, 1, "mpirun", 0),  # mpirun binding one GPU per rank
+        (3, 4, 2, "slurm", 0),  # --gpus-per-task=2: its first
+    ],
+)
+def test_cuda_device_index(local_rank, local_world, gpus, launcher, index):
+    assert common.cuda_device_index(local_rank, local_world, gpus, launcher) == index
+
+
+def test_cuda_device_index_refuses_more_torchrun_processes_than_gpus():
+    with pytest.raises(SystemExit, match="local rank 1 has no GPU"):
+        common.cuda_device_index(1, 2, 1, "torchrun")
 
 
 def test_single_process_fallback(no_launcher):
@@ -203,6 +225,8 @@ def test_thread_budget_respects_omp_num_threads(fake_init):
     monkeypatch, _ = fake_init
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29555")
     torch.set_num_threads(3)
     common.init_distributed_mode(rank=0, world_size=2)
     assert torch.get_num_threads() == 3
