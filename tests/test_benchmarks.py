@@ -1,9 +1,11 @@
-"""The benchmark's GPU recipe (run_all.py, section e) runs only where CUDA is present, which
+"""The benchmark's GPU section (run_all.py, section e) runs only where CUDA is present, which
 the machines that run these tests lack. Its flags still train here: the same recipe on CPU,
 with synthetic data, a small batch, two steps and no torch.compile (tested on its own in
-test_scripts.py), so a renamed flag or a broken combination shows before a GPU run."""
+test_scripts.py and tests/test_gpu.py), and the bare loop it is compared with runs a few steps
+with its flags, so that a renamed flag or a broken combination shows before a GPU run."""
 
 import importlib.util
+import json
 import math
 
 from conftest import ROOT, SYNTHETIC, read_metrics, run_python
@@ -30,9 +32,18 @@ def replace(flags, name, value):
 
 def test_gpu_recipe_trains_on_cpu(tmp_path):
     flags = run_all.GPU_RECIPE
-    assert {"--model", "--amp", "--augment", "--compile", "--channels-last"} <= set(flags)
-    for name, value in (("--data", None), ("--download", None), ("--compile", None), ("--batch-size", "8")):
+    assert {"--model", "--amp", "--augment", "--channels-last", "--batch-size"} <= set(flags)
+    assert ["--compile"] in [extra for _, extra in run_all.GPU_CONFIGS]
+    for name, value in (("--data", None), ("--batch-size", "8")):
         flags = replace(flags, name, value)
     run_python(["ddp_train.py", *flags, *SYNTHETIC, "--max-steps", "2", "--output-dir", tmp_path])
     [record] = read_metrics(tmp_path)
     assert record["step"] == 2 and math.isfinite(record["test_loss"])
+
+
+def test_gpu_bare_loop_flags_run_on_cpu():
+    # The small CNN instead of ResNet-18 (which the test above trains): the bare loop's 22 steps stay quick.
+    flags = replace(replace(run_all.GPU_BARE, "--model", "cnn"), "--batch-size", "8")
+    proc = run_python(["benchmarks/bare_loop.py", *flags, *SYNTHETIC, "--steps", "2"])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["amp"] == "bf16" and result["augment"] and result["ms_per_step_wall"] > 0
