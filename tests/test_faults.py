@@ -200,8 +200,10 @@ def test_restart_that_cannot_work_is_refused_clearly(tmp_path, launch):
 
 
 def test_mp_spawn_child_killed_ends_job_and_rerun_resumes(tmp_path):
+    """ddp_mp_spawn.py checkpoints at the end of each epoch: killed in epoch 1, its rerun
+    resumes at epoch 1 and finishes."""
     out = tmp_path / "run"
-    cmd = ["ddp_mp_spawn.py", "--nprocs", "2", *KILLABLE, "--output-dir", out]
+    cmd = ["ddp_mp_spawn.py", "--nprocs", "2", *SYNTHETIC, "--batch-size", "8", "--epochs", "2", "--output-dir", out]
     log = tmp_path / "log"
     proc = start([sys.executable, *cmd], log)
     try:
@@ -217,8 +219,7 @@ def test_mp_spawn_child_killed_ends_job_and_rerun_resumes(tmp_path):
 
     again = run([sys.executable, *cmd])
     assert again.returncode == 0, again.stderr
-    [(epoch, step)] = resumed_at(again.stdout)
-    assert epoch == 0 and 0 < step < STEPS_PER_EPOCH, again.stdout
+    assert re.findall(r"resumed from \S+ at epoch (\d+)", again.stdout) == ["1"], again.stdout
     assert [m["epoch"] for m in metrics(out)] == [0, 1]
 
 
@@ -499,7 +500,7 @@ def test_more_processes_than_gpus_is_refused(tmp_path, plain_process):
     # torchrun with two processes on this node: the second has no GPU of its own.
     for name, value in dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2").items():
         plain_process.setenv(name, value)
-    with pytest.raises(SystemExit, match="local rank 1 has no GPU: this node has 1"):
+    with pytest.raises(SystemExit, match="local rank 1 has no GPU: this node shows it 1"):
         common.init_distributed_mode(device="cuda")
 
 
@@ -512,5 +513,5 @@ def test_busy_master_port_is_refused(tmp_path, plain_process):
         plain_process.setenv("MASTER_ADDR", "127.0.0.1")
         plain_process.setenv("MASTER_PORT", str(port))
         message = fails(ddp_mp_spawn.main, ["--nprocs", "2", *SYNTHETIC, "--output-dir", out])
-    assert f"MASTER_PORT {port} on 127.0.0.1 is busy" in message
+    assert f"MASTER_PORT {port} is busy" in message
     assert not out.exists()
