@@ -300,6 +300,9 @@ def build_loaders(args, train_set, test_set, info):
         pin_memory=info.device.type == "cuda",  # page-locked memory lets copies overlap compute
         collate_fn=collate,
         persistent_workers=args.workers > 0,
+        # The loaders' own generator: a loader draws a seed each time it starts an epoch, and
+        # from the global RNG that draw would shift every later --augment crop after a resume.
+        generator=torch.Generator().manual_seed(args.seed),
     )
     # drop_last: every step sees a full batch (steady BatchNorm statistics, one compiled shape).
     train_loader = DataLoader(
