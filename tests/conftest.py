@@ -110,12 +110,14 @@ def run_ranks(args, envs, timeout=180, check=True):
     return results
 
 
-def free_port(low=None, high=None):
-    """A TCP port that is free now; within [low, high) when given."""
+def free_port(low=20000, high=32000):
+    """A TCP port that is free now, within [low, high). The default range lies below Linux's
+    ephemeral ports (32768-60999), which the OS hands out for outgoing connections: a port
+    taken from there and released could be given to another connection before a rank binds it."""
     for _ in range(200):
         with socket.socket() as s:
             try:
-                s.bind(("127.0.0.1", random.randrange(low, high) if low else 0))
+                s.bind(("127.0.0.1", random.randrange(low, high)))
             except OSError:
                 continue
             return s.getsockname()[1]

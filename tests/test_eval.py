@@ -2,6 +2,7 @@
 2 nor 3) the loss and accuracy of N processes equal one process's. DistributedSampler
 would pad the set with duplicates, and counting them would move both figures."""
 
+import json
 import re
 
 import pytest
@@ -44,3 +45,47 @@ def test_three_processes_evaluate_exactly(tmp_path):
     assert metrics["world_size"] == 3
     assert metrics["test_loss"] == pytest.approx(loss, abs=1e-6)
     assert metrics["test_acc"] == acc
+
+
+def _eval_rank(rank, world, port, out):
+    """One rank of a gloo group: evaluate a model that records which samples it is shown."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    import common
+    import ddp_train
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # Sample i carries its index in its first pixel and has label i % 10; the "model" answers
+    # correctly for even indices only, so the exact accuracy is 250/499.
+    images = torch.zeros(499, 1, 2, 2)
+    images[:, 0, 0, 0] = torch.arange(499)
+    test_set = common.InMemoryDataset(images, torch.arange(499) % 10, range(10))
+    seen = []
+
+    class Recorder(torch.nn.Module):
+        def forward(self, x):
+            index = x[:, 0, 0, 0].long()
+            seen.extend(index.tolist())
+            return torch.nn.functional.one_hot(torch.where(index % 2 == 0, index % 10, (index + 1) % 10), 10).float()
+
+    args = ddp_train.get_args(["--batch-size", "16"])
+    info = common.DistInfo(True, rank, rank, world, world, torch.device("cpu"))
+    _, _, test_loader = ddp_train.build_loaders(args, test_set, test_set, info)
+    _, acc = common.evaluate(Recorder(), test_loader, info.device)
+    (out / f"{rank}.json").write_text(json.dumps(dict(seen=seen, acc=acc)))
+    dist.destroy_process_group()
+
+
+def test_each_rank_evaluates_its_share_and_together_the_set_once(tmp_path):
+    import torch
+    from conftest import free_port
+
+    torch.multiprocessing.spawn(_eval_rank, args=(3, free_port(), tmp_path), nprocs=3)
+    ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
+    assert [len(r["seen"]) for r in ranks] == [167, 166, 166]
+    assert sorted(i for r in ranks for i in r["seen"]) == list(range(499))
+    assert all(r["acc"] == 250 / 499 for r in ranks)  # every rank gets the all-reduced figure

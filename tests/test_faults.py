@@ -10,6 +10,7 @@ limits here are generous upper bounds that only tell a hang from a slow machine.
 
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from conftest import free_port
 
 import common
 import ddp_mp_spawn
@@ -43,12 +46,6 @@ def env(**extra):
     say), one thread per process (2 cores here), plus `extra`."""
     clean = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith(LAUNCHER_PREFIXES)}
     return {**clean, "OMP_NUM_THREADS": "1", **extra}
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(cmd, timeout=180, **extra_env):
@@ -227,7 +224,8 @@ def test_mid_epoch_resume_equals_an_uninterrupted_run(tmp_path, plain_process):
     """Stopping inside an epoch (--max-steps here) and resuming gives bit-for-bit the weights
     of a run that never stopped: the checkpoint records the position inside the epoch, and the
     resumed epoch leaves out exactly the batches already trained."""
-    args = [*SYNTHETIC, "--model", "mlp", "--epochs", "2", "--batch-size", "32", "--save-every", "7"]
+    # --augment draws random crops and flips every step: the RNG states must come back too.
+    args = [*SYNTHETIC, "--model", "mlp", "--epochs", "2", "--batch-size", "32", "--save-every", "7", "--augment"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     ddp_train.main([str(a) for a in [*args, "--output-dir", straight]])
     ddp_train.main([str(a) for a in [*args, "--output-dir", resumed, "--max-steps", "40"]])  # 62 steps/epoch
@@ -315,7 +313,7 @@ def test_malicious_checkpoint_is_refused_without_running_code(tmp_path):
     marker = tmp_path / "pwned"
     bad = tmp_path / "bad.pt"
     torch.save({"model": {"w": torch.zeros(1)}, "payload": WritesFile(marker)}, bad)
-    proc = run([sys.executable, "ddp_train.py", "--data", "synthetic", "--eval-only", "--resume", bad])
+    proc = run([sys.executable, "ddp_train.py", *SYNTHETIC, "--eval-only", "--resume", bad])
     line = error_line(proc)
     assert "refused" in line and str(bad) in line
     assert not marker.exists()
@@ -339,7 +337,7 @@ def test_unfit_checkpoint_is_a_one_line_error_naming_the_file(tmp_path, plain_pr
         whole = checkpoint_of(common.SmallCNN(1, 10), tmp_path / "whole.pt").read_bytes()
         path = tmp_path / "truncated.pt"
         path.write_bytes(whole[: len(whole) // 2])
-    message = fails(ddp_train.main, ["--data", "synthetic", "--model", "cnn", "--eval-only", "--resume", path])
+    message = fails(ddp_train.main, [*SYNTHETIC, "--model", "cnn", "--eval-only", "--resume", path])
     assert str(path) in message
 
 
@@ -417,6 +415,28 @@ def test_non_finite_loss_stops_every_rank_at_the_same_step():
     assert lines[0] == lines[1]
 
 
+def _check_finite_rank(rank, port, log):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    info = common.DistInfo(True, rank, rank, 2, 2, torch.device("cpu"))
+    first_bad = torch.tensor([7.0, 5.0][rank], dtype=torch.float64)  # rank 1 saw it first
+    try:
+        ddp_train.check_finite(torch.tensor([math.nan, 1.0]), first_bad, info)
+    except SystemExit as e:
+        (log / str(rank)).write_text(str(e.code))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_agree_on_the_first_non_finite_step(tmp_path):
+    """Between two checks the ranks may see the first NaN at different steps (rank 1's data
+    overflows first, its NaN reaches rank 0 through the next all-reduce): both must name the
+    earliest, so that their messages agree."""
+    torch.multiprocessing.spawn(_check_finite_rank, args=(free_port(), tmp_path), nprocs=2)
+    for rank in "01":
+        assert (tmp_path / rank).read_text().startswith("error: non-finite loss at step 5:")
+
+
 def test_peer_that_stops_answering_ends_the_job_within_the_timeout(tmp_path):
     """Rank 1 freezes (SIGSTOP) in the middle of training: rank 0 stops after --dist-timeout."""
     out = tmp_path / "run"
@@ -447,7 +467,18 @@ def test_missing_data_from_the_command_line(tmp_path):
     """The command-line form of a bad-input failure: exit status 1 and one line on stderr."""
     out = tmp_path / "out"
     proc = run(
-        [sys.executable, "ddp_train.py", "--data", "mnist", "--data-dir", tmp_path / "nothing", "--output-dir", out]
+        [
+            sys.executable,
+            "ddp_train.py",
+            "--data",
+            "mnist",
+            "--device",
+            "cpu",
+            "--data-dir",
+            tmp_path / "nothing",
+            "--output-dir",
+            out,
+        ]
     )
     assert proc.returncode == 1
     assert proc.stderr.strip().count("\n") == 0, proc.stderr

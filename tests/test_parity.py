@@ -57,8 +57,19 @@ def check_parity(out_dir, reference_dir):
     assert metrics["test_acc"] == acc
 
 
-def test_torchrun_matches_single_process(tmp_path, mlp_reference):
-    torchrun(2, ["ddp_train.py", *MLP_ARGS, "--batch-size", "16", "--output-dir", tmp_path])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--batch-size", "16"],
+        # 2 micro-batches of 8 per step: no_sync() keeps the first one's gradient local
+        ["--batch-size", "8", "--accum-steps", "2"],
+        # 2 loader worker processes per rank: the same batches in the same order
+        ["--batch-size", "16", "--workers", "2"],
+    ],
+    ids=["plain", "accum-steps", "workers"],
+)
+def test_torchrun_matches_single_process(tmp_path, mlp_reference, flags):
+    torchrun(2, ["ddp_train.py", *MLP_ARGS, *flags, "--output-dir", tmp_path])
     check_parity(tmp_path, mlp_reference)
 
 

@@ -5,7 +5,17 @@ import re
 
 import pytest
 import torch
-from conftest import CNN_ARGS, DIST_TIMEOUT, METRIC_KEYS, assert_state_close, load_ckpt, read_metrics, run_python
+from conftest import (
+    CNN_ARGS,
+    DIST_TIMEOUT,
+    METRIC_KEYS,
+    MLP_ARGS,
+    assert_state_close,
+    load_ckpt,
+    max_abs_diff,
+    read_metrics,
+    run_python,
+)
 
 import common
 
@@ -74,3 +84,78 @@ def test_every_model_takes_cifar_sized_images(name):
     # stopped with a shape error (its first layer was sized for 28 x 28 only).
     model = common.build_model(name, 3, 10, image_size=32).eval()
     assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_dp_train_trains_through_dataparallel(no_launcher, tmp_path):
+    """Every training and evaluation batch goes through nn.DataParallel's forward (on CPU it
+    calls the model directly, so only a spy tells that the wrapper is there)."""
+    import dp_train
+
+    calls = []
+
+    class Spy(torch.nn.DataParallel):
+        def forward(self, *inputs, **kwargs):
+            calls.append(inputs[0].shape[0])
+            return super().forward(*inputs, **kwargs)
+
+    no_launcher.setattr(torch.nn, "DataParallel", Spy)
+    dp_train.main(
+        ["--data", "synthetic", "--device", "cpu", "--model", "mlp", "--max-steps", "3", "--batch-size", "32"]
+    )
+    assert calls[:3] == [32, 32, 32]  # the training steps, then the test set (499 in batches of 64)
+    assert sum(calls[3:]) == 499
+
+
+def test_dataparallel_replicas_compute_in_the_dtype_asked_for():
+    """DataParallel's replica threads re-enter autocast with `enabled` alone, which means the
+    device's default dtype (fp16 on CUDA, bf16 on CPU), not the one asked for. Mimicked here
+    on CPU: a thread that enables autocast with the default dtype, as parallel_apply does,
+    must still compute in fp16 when fp16 was asked for."""
+    import threading
+
+    import dp_train
+
+    model = dp_train.Autocast(common.build_model("mlp", 1, 10), torch.float16)
+    dtypes = []
+    model.module[1].register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
+
+    def replica():
+        with torch.autocast("cpu", enabled=True):  # what parallel_apply's threads do
+            model(torch.randn(4, 1, 28, 28))
+
+    thread = threading.Thread(target=replica)
+    thread.start()
+    thread.join()
+    assert dtypes == [torch.float16]
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_mixed_precision_computes_in_its_dtype(tmp_path, amp):
+    """A few MLP steps with autocast land near the fp32 steps but not on them; with fp16 the
+    GradScaler has run (it counts the steps since the scale last changed)."""
+    argv = ["ddp_train.py", *MLP_ARGS, "--batch-size", "32"]
+    run_python([*argv, "--amp", amp, "--output-dir", tmp_path / amp])
+    run_python([*argv, "--output-dir", tmp_path / "fp32"])
+    ckpt, fp32 = load_ckpt(tmp_path / amp), load_ckpt(tmp_path / "fp32")
+    assert 1e-5 < max_abs_diff(ckpt["model"], fp32["model"]) < 5e-2
+    if amp == "fp16":
+        assert ckpt["scaler"]["_growth_tracker"] == 5 and ckpt["scaler"]["scale"] == 2.0**16
+
+
+def test_imagefolder_trains(tmp_path):
+    """A user's own images (PNG files in class folders, read per sample by a DataLoader with
+    workers): two colours are learnt perfectly."""
+    from PIL import Image
+
+    for split, count in (("train", 32), ("val", 8)):
+        for c, colour in enumerate([(200, 30, 30), (30, 200, 30)]):
+            (tmp_path / split / f"c{c}").mkdir(parents=True)
+            for i in range(count):
+                Image.new("RGB", (16, 16), tuple(v + 2 * i for v in colour)).save(
+                    tmp_path / split / f"c{c}" / f"{i}.png"
+                )
+    argv = ["--data", "imagefolder", "--data-dir", tmp_path, "--device", "cpu", "--model", "mlp", "--workers", "1"]
+    run_python(
+        ["ddp_train.py", *argv, "--batch-size", "8", "--epochs", "3", "--lr", "1", "--output-dir", tmp_path / "o"]
+    )
+    assert read_metrics(tmp_path / "o")[-1]["test_acc"] == 1.0
