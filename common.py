@@ -143,7 +143,9 @@ def init_distributed_mode(rank=None, world_size=None, backend=None, device="auto
     else:
         dev = torch.device("cpu")
 
-    distributed = found["world_size"] > 1
+    # Under torchrun a group forms even for one process, so that `--nproc_per_node=1` runs the
+    # same DDP and NCCL code as more processes do; a plain `python script.py` has none.
+    distributed = found["world_size"] > 1 or found["launcher"] == "torchrun"
     if distributed:
         backend = backend or ("nccl" if use_cuda else "gloo")
         if backend == "mpi" and not dist.is_mpi_available():
