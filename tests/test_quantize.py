@@ -184,3 +184,34 @@ def test_refuses_several_processes(monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert "one process" in fails([*QUICK, "--output-dir", tmp_path / "out"])
     assert not (tmp_path / "out").exists()
+
+
+def test_speedups_are_the_measured_ratios(quantized):
+    """The speed columns are computed from the measured times, against fp32 (the figures
+    themselves are benchmarks' business: timing varies on a shared machine)."""
+    r = rows(quantized[2])
+    for method in METHODS:
+        assert r[method]["latency_speedup"] == pytest.approx(r["fp32"]["latency_ms"] / r[method]["latency_ms"])
+        assert r[method]["throughput_speedup"] == pytest.approx(r[method]["throughput"] / r["fp32"]["throughput"])
+
+
+def test_timer_measures_each_model_by_itself():
+    """Models that sleep 20 ms and 100 ms per call: the timer finds each one's own time, not
+    its neighbour's, at every shape (sleeps dwarf the machine's noise)."""
+    import time
+
+    import quantize
+
+    class Sleeper(torch.nn.Module):
+        def __init__(self, seconds):
+            super().__init__()
+            self.seconds = seconds
+
+        def forward(self, x):
+            time.sleep(self.seconds * (1 + x.shape[0] // 4))
+            return x
+
+    found = quantize.time_models({"fast": Sleeper(0.02), "slow": Sleeper(0.1)}, [(1, 1, 4, 4), (4, 1, 4, 4)], runs=5)
+    for shape, factor in ((0, 1), (1, 2)):
+        assert found[("fast", shape)] == pytest.approx(0.02 * factor, rel=0.5)
+        assert found[("slow", shape)] == pytest.approx(0.1 * factor, rel=0.5)
