@@ -50,6 +50,7 @@ from common import (
     first_line,
     imagefolder_size,
     init_distributed_mode,
+    is_main_process,
     load_checkpoint,
     load_datasets,
     load_model_state,
@@ -113,7 +114,7 @@ def get_args(argv=None):
 
 def train(args, info):
     device, rank, world = info.device, info.rank, info.world_size
-    is_main = rank == 0
+    is_main = is_main_process()  # global rank 0: the one that writes
     if args.data == "imagefolder" and args.image_size is None:
         args.image_size = imagefolder_size(args.data_dir)
     seed_everything(args.seed)  # the same on every rank: identical initial weights
