@@ -89,7 +89,7 @@ def get_args(argv=None):
     p.add_argument("--epochs", type=int, default=5, help="passes over the training set")
     p.add_argument("--batch-size", type=int, default=128, help="samples per step, the whole batch (all stages)")
     p.add_argument("--devices", help="one process: a stage on each, e.g. cuda:0,cuda:1 (default: 2 GPUs, else cpu,cpu)")
-    p.add_argument("--microbatches", type=int, help="pieces per batch (default: 1, naive, in one process; 8 torchrun)")
+    p.add_argument("--microbatches", type=int, help="pieces per batch (default: 1, naive; under torchrun 8)")
     p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES), help="pipeline schedule under torchrun")
     p.add_argument("--lr", type=float, default=0.1, help="peak learning rate (SGD, warm-up then cosine decay)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and shuffling")
