@@ -557,27 +557,31 @@ def section_comm_hooks(runner, args, cfg):
 
 
 # (label, processes, schedule, micro-batches, threads of a single process)
+# (label, processes, model_parallel.py flags, threads of the one process or None for all cores)
 PIPELINE_CONFIGS = [
-    ("single device (1 process, all cores)", 1, "1f1b", 8, None),
-    ("single device (1 process, 1 thread)", 1, "1f1b", 8, 1),
-    ("naive: 2 stages, 1 micro-batch", 2, "gpipe", 1, None),
-    ("pipelined GPipe: 2 stages, 8 micro-batches", 2, "gpipe", 8, None),
-    ("pipelined 1F1B: 2 stages, 8 micro-batches", 2, "1f1b", 8, None),
+    ("single device (1 process, all cores)", 1, ["--devices", "cpu", "--microbatches", "1"], None),
+    ("single device (1 process, 1 thread)", 1, ["--devices", "cpu", "--microbatches", "1"], 1),
+    ("mode 1, naive: 1 process, 2 stages (cpu,cpu)", 1, ["--devices", "cpu,cpu", "--microbatches", "1"], None),
+    ("mode 2: 1 process, 2 stages, 8 micro-batches", 1, ["--devices", "cpu,cpu", "--microbatches", "8"], None),
+    ("mode 3, naive: 2 processes, 1 micro-batch", 2, ["--schedule", "gpipe", "--microbatches", "1"], None),
+    ("mode 3, GPipe: 2 processes, 8 micro-batches", 2, ["--schedule", "gpipe", "--microbatches", "8"], None),
+    ("mode 3, 1F1B: 2 processes, 8 micro-batches", 2, ["--schedule", "1f1b", "--microbatches", "8"], None),
 ]
 
 
 def section_model_parallel(runner, args, cfg):
-    lines = ["## d2. Pipeline parallelism: model_parallel.py", ""]
+    lines = ["## d2. Model parallelism: model_parallel.py's three modes", ""]
     records, rows, data = [], [], {}
     base = None
-    for label, nproc, schedule, micro, threads in PIPELINE_CONFIGS:
-        flags = ["--schedule", schedule, "--microbatches", str(micro), *gpu_off(), *cfg["pipeline_mp"]]
+    for i, (label, nproc, mode_flags, threads) in enumerate(PIPELINE_CONFIGS):
+        flags = [*mode_flags, *gpu_off(), *cfg["pipeline_mp"]]
         cmd = torchrun(nproc, "model_parallel.py", *flags) if nproc > 1 else [PY, "model_parallel.py", *flags]
         env = {"OMP_NUM_THREADS": str(threads)} if threads else None
-        name = f"model_parallel_{nproc}proc_{schedule}_{micro}mb" + (f"_{threads}thread" if threads else "")
-        r = runner.run(name, cmd, cfg["timeout"], output_dir=True, env=env)
+        r = runner.run(f"model_parallel_{i}", cmd, cfg["timeout"], output_dir=True, env=env)
         records.append(r)
-        bubble = f"{(nproc - 1) / (micro + nproc - 1):.0%}" if nproc > 1 else "none"
+        stages = 2 if nproc > 1 or "cpu,cpu" in mode_flags else 1
+        micro = int(mode_flags[mode_flags.index("--microbatches") + 1])
+        bubble = f"{(stages - 1) / (micro + stages - 1):.0%}" if stages > 1 else "none"
         if not ok(r):
             rows.append([label, bubble, failure(r), "", "", ""])
             continue
@@ -596,7 +600,9 @@ def section_model_parallel(runner, args, cfg):
         "",
         "Same model (model_parallel.py's GroupNorm CNN, cut into stages of equal FLOPs), global batch 128 and data "
         "for every row; samples/s and ms per step over the epochs after the first. Threads: the single process "
-        "uses every core, or one (a per-core comparison); each torchrun worker one. With as many stages as "
+        "uses every core, or one (a per-core comparison); each torchrun worker one. Modes 1 and 2 put both "
+        "stages on the one CPU: they show the mechanics and cost the copies, with no second device to gain from. "
+        "With as many stages as "
         "cores the pipeline has no more compute than one process: at best it ties, and it pays for the "
         "activations sent between stages and for micro-batches too small to keep a core busy. Pipelining "
         "pays when each stage has a device of its own and the model does not fit on one.",
