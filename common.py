@@ -14,6 +14,8 @@ import random
 import re
 import shutil
 import subprocess
+import time
+import uuid
 from pathlib import Path
 from typing import NamedTuple
 
@@ -161,12 +163,13 @@ def init_distributed_mode(rank=None, world_size=None, backend=None, device="auto
                     "MASTER_PORT (a free port), e.g. mpirun -x MASTER_ADDR=host -x MASTER_PORT=29500"
                 )
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, master_port
-        check_restart()
         # The timeout bounds rendezvous and every collective: a peer that never arrives or
         # dies ends the job with an error instead of a hang.
         try:
+            store = process_group_store(found["rank"], found["world_size"], timeout_s) if backend != "mpi" else None
             dist.init_process_group(
                 backend,
+                store=store,
                 rank=found["rank"],
                 world_size=found["world_size"],
                 timeout=datetime.timedelta(seconds=timeout_s),
@@ -186,22 +189,53 @@ def init_distributed_mode(rank=None, world_size=None, backend=None, device="auto
     return DistInfo(distributed, found["rank"], local_rank, found["world_size"], found["local_world_size"], dev)
 
 
-def check_restart():
-    """Refuse a torchrun restart that would hang or fail to connect.
+def process_group_store(rank, world_size, timeout_s):
+    """The store to start the process group on, or None to let env:// make one.
 
-    On a restart, torchrun hands the new workers the store of the failed attempt (its static
-    rendezvous always; c10d unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), and it still holds
-    the dead workers' addresses. Whether the new group then connects, fails, or hangs inside
-    gloo past every timeout is a matter of timing; stop it cleanly.
+    Under torchrun (static rendezvous, and c10d unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) the
+    workers are told TORCHELASTIC_USE_AGENT_STORE=True: the store at MASTER_ADDR:MASTER_PORT belongs
+    to node 0's agent and outlives the workers, so after a restart it still holds the keys of the
+    failed attempt, and env:// starts the new group on them: gloo dials the dead workers' addresses
+    ("connectFullMesh ... Connection refused") or waits forever (PyTorch issues 135712, 167288).
+    The cure is a key prefix that is new for every attempt and the same on every rank of it.
+    Pitfall: TORCHELASTIC_RESTART_COUNT is not that key: each agent counts only its own workers'
+    failures, so on several nodes it differs between ranks of one attempt. Here rank 0 draws a new
+    number from a counter in the store and gives it to each other rank in answer to a one-time
+    token that rank posted; whatever a dead worker left behind can never pass for this attempt's.
     """
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if restart and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        fail(
-            f"torchrun restart {restart} cannot work with this launch: the new workers would get the store "
-            "that still holds the dead ones' addresses; launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and "
-            "--standalone (one node) or --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT (several nodes), "
-            "and --output-dir to resume"
-        )
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None  # no store outlives the workers (plain env://, mp.spawn, SLURM, the opt-out)
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    hint = (
+        f"within --dist-timeout {timeout_s:g} s; if a restart keeps failing here, launch with "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --standalone or --rdzv-backend=c10d"
+    )
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)  # raises if nobody is there
+    if rank == 0:
+        attempt = store.add("restart/attempts", 1)
+        answered = {}  # rank -> the token last answered: answer a rank again only once it posts anew
+        deadline = time.monotonic() + timeout_s
+        while store.add(f"restart/{attempt}/ready", 0) < world_size - 1:
+            for r in range(1, world_size):
+                if store.check([f"restart/ask/{r}"]):
+                    token = store.get(f"restart/ask/{r}").decode()
+                    if answered.get(r) != token:  # maybe a dead worker's: answering it does no harm
+                        store.set(f"restart/answer/{token}", str(attempt))
+                        answered[r] = token
+            if time.monotonic() > deadline:
+                fail(f"rank 0: not every rank of this torchrun attempt checked in at {host}:{port} {hint}")
+            time.sleep(0.01)
+    else:
+        token = uuid.uuid4().hex  # new in every process: no earlier attempt can have answered it
+        store.set(f"restart/ask/{rank}", token)
+        try:
+            store.wait([f"restart/answer/{token}"])  # the store's timeout bounds the wait
+        except RuntimeError:
+            fail(f"rank {rank}: rank 0 of this torchrun attempt did not answer at {host}:{port} {hint}")
+        attempt = int(store.get(f"restart/answer/{token}"))
+        store.add(f"restart/{attempt}/ready", 1)
+    return dist.PrefixStore(f"attempt_{attempt}/", store)
 
 
 def first_line(error):
