@@ -3,7 +3,8 @@ all-reduce after backward, against local SGD and ZeRO; step time and bytes, 2 pr
 
     torchrun --standalone --nproc_per_node=2 benchmarks/overlap.py              # markdown table
     torchrun --standalone --nproc_per_node=2 benchmarks/overlap.py --json       # one JSON line
-    torchrun --standalone --nproc_per_node=2 benchmarks/overlap.py --model resnet18 --batch-size 16
+    torchrun --standalone --nproc_per_node=2 benchmarks/overlap.py --model resnet18 --batch-size 4 \\
+        --options ddp blocking local4 local16 zero     # 45 MB of gradients per step: the overlap shows
 
 Every option trains its own copy of the same model (same seed) on the same batches (random
 tensors of Fashion-MNIST's shape: time and bytes do not depend on the pixels), in alternating
