@@ -10,17 +10,16 @@ Launch (the same file, nothing to edit; see README.md for SLURM and mpirun):
     torchrun --standalone --nproc_per_node=2 ddp_train.py   # one node, 2 processes
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
         --rdzv-endpoint=HOST:29500 --rdzv-id=myjob ddp_train.py   # on every node
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 \\
-        --max-restarts=3 ddp_train.py --output-dir runs/ddp --save-every 200   # restarts
+    torchrun --standalone --nproc_per_node=2 --max-restarts=3 \\
+        ddp_train.py --output-dir runs/ddp --save-every 200     # restarts after a failure
 
 A restart (or a rerun with the same --output-dir) resumes from the last snapshot, in the
 middle of an epoch where --save-every wrote one. dp_train.py (nn.DataParallel) and
 ddp_mp_spawn.py (the same DDP, started by mp.spawn) are shorter copies of this file without
 its advanced options (gradient compression, mid-epoch snapshots, --eval-only): diff them
-against it to see what a strategy or a launcher changes. Restarts need --standalone or
---rdzv-backend=c10d, and, with torch 2.14, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: otherwise
-torchrun hands the restarted workers a store that still holds the dead ones' addresses, and
-the new group may fail to connect or hang; this script then refuses the restart, saying so.
+against it to see what a strategy or a launcher changes. torchrun hands restarted workers the
+failed attempt's store, which still holds the dead workers' addresses; the process group of
+each attempt therefore starts under keys of its own (common.process_group_store).
 
 Learning rate: --batch-size is per process (global batch: batch_size x world_size x
 accum_steps); --lr is the peak rate per 256 samples of global batch, scaled linearly (Goyal et
