@@ -2,7 +2,7 @@
 
 Local SGD: between averaging steps the ranks' weights differ and nothing is sent; right after
 one they are identical; over K steps it sends 1/K of plain DDP's bytes; with K = 1 it is plain
-DDP. ZeRO: each rank keeps only its share of the momentum, the steps are plain DDP's, and the
+DDP; a resume goes on exactly. ZeRO: each rank keeps only its share of the momentum, the steps are plain DDP's, and the
 checkpoint (the whole state, gathered on rank 0) resumes exactly, also at another world size.
 """
 
@@ -113,6 +113,21 @@ def test_local_sgd_with_period_1_is_plain_ddp(tmp_path, mlp_reference):
     assert_state_close(ckpt["model"], reference["model"], atol=ATOL)
     # The checkpoint holds the ranks' averaged momentum: DDP's, as all is linear.
     assert_state_close(ckpt["optimizer"]["state"], reference["optimizer"]["state"], atol=ATOL)
+
+
+def test_local_sgd_resume_goes_on_exactly(tmp_path):
+    # A snapshot averages the momentum too and the step count sets the averaging schedule, so
+    # stopping at the step-6 snapshot (mid-period: averaged at 8, 12) and resuming ends where a
+    # run that saved at step 6 and went on does, bit for bit.
+    args = [*MLP_ARGS, "--batch-size", "16", "--local-sgd-period", "4", "--local-sgd-start", "4", "--save-every", "6"]
+    torchrun(2, ["ddp_train.py", *args, "--max-steps", "12", "--output-dir", tmp_path / "straight"])
+    torchrun(2, ["ddp_train.py", *args, "--max-steps", "6", "--output-dir", tmp_path / "stopped"])
+    proc = torchrun(2, ["ddp_train.py", *args, "--max-steps", "12", "--output-dir", tmp_path / "stopped"])
+    assert "resumed from" in proc.stdout and "step 6 of" in proc.stdout
+    straight, resumed = load_ckpt(tmp_path / "straight"), load_ckpt(tmp_path / "stopped")
+    assert straight["step"] == resumed["step"] == 12
+    assert_state_close(resumed["model"], straight["model"], atol=0)
+    assert_state_close(resumed["optimizer"]["state"], straight["optimizer"]["state"], atol=0)
 
 
 # ----------------------------------------------------------------------------------------
