@@ -1,7 +1,7 @@
 """Fine-tuning a pretrained torchvision ResNet with DistributedDataParallel (DDP).
 
-The network keeps what it learnt on ImageNet and gets a new classification head for this
-data set's classes. Early layers detect edges and textures that serve any image task, so
+The network keeps what it learnt on ImageNet (or in an earlier run) and gets a new head for
+this data set's classes. Early layers detect edges and textures that serve any image task, so
 they stay frozen; only the head and the last --trainable-layers stages train. With 0 it is
 a linear probe (only the head learns: fast, needs little data); with 5 everything trains
 (best with a lot of data, slowest). Frozen layers cost no backward pass, no all-reduce and
@@ -16,12 +16,22 @@ Launch (the same file, nothing to edit; SLURM and mpirun as for ddp_train.py, se
         --rdzv-endpoint=HOST:29500 --rdzv-id=myjob finetune.py --data imagefolder --data-dir DIR
     python finetune.py --image-size 64 --epochs 1 --trainable-layers 0   # CPU: a quick linear probe
 
+Transfer between tasks (Fashion-MNIST, 32x32 pixels: a few CPU minutes): learn classes 0-4
+from scratch, then classes 5-9 from 50 labels each, starting from that run or from scratch:
+    python finetune.py --weights none --classes 0-4 --image-size 32 --output-dir base
+    python finetune.py --weights-file base/checkpoint.pt --classes 5-9 --train-per-class 50 \\
+        --image-size 32 --trainable-layers 5 --epochs 10
+    python finetune.py --weights none --classes 5-9 --train-per-class 50 --image-size 32 --epochs 10
+
 The ImageNet weights are downloaded once into torch's hub cache (~/.cache/torch). Offline,
-pass --weights-file PATH (a state_dict or a checkpoint of these scripts, saved with
-torch.save) or --weights none (random initialisation: training from scratch).
+pass --weights-file PATH or --weights none (random initialisation: everything trains, from
+scratch, whatever --trainable-layers says). --weights-file takes a state_dict or a checkpoint
+of these scripts (ddp_train.py --model resnet18 included) and loads every tensor whose name
+and shape fit; it prints which ones it skipped, and those start random and train.
 Without resume: a rerun with the same --output-dir starts afresh and replaces its files.
 """
 
+import argparse
 import math
 import time
 
@@ -29,14 +39,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
 
 from common import (
     DATASETS,
     ArgumentParser,
+    InMemoryDataset,
     append_metrics,
     check_output_dir,
     cleanup,
+    collate,
+    eval_shard,
     evaluate,
     fail,
     first_line,
@@ -49,17 +64,35 @@ from common import (
     save_checkpoint,
     seed_everything,
 )
-from ddp_train import build_loaders, wrap_ddp
 
 # One family, so that "stage" means the same thing for every choice: the stem and layer1-4.
 ARCHS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d", "wide_resnet50_2")
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # what DDP and torch.compile put before every key
+
+
+def class_list(text):
+    """--classes: numbers and ranges such as "0-4", "5,6,7,8,9" or "0-2,7", returned sorted."""
+    classes = []
+    try:
+        for part in text.split(","):
+            first, _, last = part.partition("-")  # "-1" and "1-2-3" fail in int()
+            classes += range(int(first), int(last or first) + 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers and ranges such as 0-4 or 5,6,7, got {text!r}") from None
+    classes.sort()
+    if len(classes) < 2 or len(set(classes)) < len(classes):
+        raise argparse.ArgumentTypeError(f"needs at least 2 classes, each once, got {text!r}") from None
+    return classes
 
 
 def get_args(argv=None):
     p = ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arch", default="resnet18", choices=ARCHS, help="torchvision network")
+    # --model as in the other scripts; --arch, its first name, still works.
+    p.add_argument("--model", "--arch", dest="model", default="resnet18", choices=ARCHS, help="torchvision network")
     p.add_argument("--weights", default="DEFAULT", help="torchvision weights (DEFAULT: ImageNet's best); none: random")
-    p.add_argument("--weights-file", default=None, help="load the weights from this file instead (offline use)")
+    p.add_argument(
+        "--weights-file", default=None, help="a state_dict or checkpoint to load instead (by name and shape)"
+    )
     p.add_argument(
         "--trainable-layers",
         type=int,
@@ -70,17 +103,17 @@ def get_args(argv=None):
     p.add_argument("--data", default="fashion-mnist", choices=DATASETS, help="data set")
     p.add_argument("--data-dir", default="data", help="root holding the data set (torchvision layout)")
     p.add_argument("--download", action="store_true", help="download the data set if missing")
+    p.add_argument("--classes", type=class_list, help="keep only these classes (0-4 or 5,6,7), relabelled 0..k-1")
+    p.add_argument("--train-per-class", type=int, default=0, help="train on N images per class (by --seed); 0: all")
     p.add_argument("--image-size", type=int, default=224, help="images are resized to this (ImageNet models: 224)")
     p.add_argument("--epochs", type=int, default=3, help="passes over the training set")
     p.add_argument("--batch-size", type=int, default=64, help="samples per process per step")
     p.add_argument("--lr", type=float, default=0.1, help="the head's learning rate per 256 samples of global batch")
-    p.add_argument(
-        "--backbone-lr-scale", type=float, default=0.1, help="the trainable stages learn at this fraction of --lr"
-    )
+    p.add_argument("--backbone-lr-scale", type=float, default=0.1, help="pretrained stages learn at this * --lr")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD (Nesterov) momentum")
     p.add_argument("--weight-decay", type=float, default=1e-4, help="L2 penalty on the trained parameters")
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank")
-    p.add_argument("--seed", type=int, default=0, help="seed for the head's weights and shuffling")
+    p.add_argument("--seed", type=int, default=0, help="seed for the head's weights, shuffling and --train-per-class")
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (smoke runs); 0: no limit")
     p.add_argument("--output-dir", default=None, help="where checkpoint.pt and metrics.jsonl go; none: write nothing")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if present")
@@ -93,13 +126,33 @@ def get_args(argv=None):
     for name in ("lr", "backbone_lr_scale", "dist_timeout"):
         if not getattr(args, name) > 0:
             fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.max_steps < 0 or args.workers < 0 or args.weight_decay < 0:
-        fail("--max-steps, --workers and --weight-decay cannot be negative")
+    if min(args.max_steps, args.workers, args.weight_decay, args.train_per_class) < 0:
+        fail("--max-steps, --workers, --weight-decay and --train-per-class cannot be negative")
     if not 0 <= args.trainable_layers <= 5:
         fail(f"--trainable-layers counts a ResNet's 5 stages (stem, layer1-4): 0 to 5, got {args.trainable_layers}")
     if args.image_size < 32:  # a ResNet halves the image 5 times; below 32 pixels layer4 sees less than 1x1
         fail(f"--image-size must be at least 32, got {args.image_size}")
     return args
+
+
+def select(dataset, classes, per_class, seed):
+    """The samples of `classes` only, relabelled 0..k-1 (in that order); with `per_class`, that
+    many of each: the first ones of a permutation drawn from `seed`, the same on every rank."""
+    labels = torch.as_tensor(dataset.labels if isinstance(dataset, InMemoryDataset) else dataset.targets)
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
+    picked = []
+    for c in classes:
+        of_class = order[labels[order] == c]
+        if len(of_class) < per_class:
+            fail(f"--train-per-class {per_class}: class {c} has only {len(of_class)} training images")
+        picked.append(of_class[: per_class or None])
+    keep = torch.cat(picked).sort().values  # the data set's own order (the sampler shuffles)
+    relabel = {c: i for i, c in enumerate(classes)}
+    if isinstance(dataset, InMemoryDataset):
+        new_labels = torch.tensor([relabel[c] for c in labels[keep].tolist()])
+        return InMemoryDataset(dataset.images[keep], new_labels, [dataset.classes[c] for c in classes])
+    dataset.target_transform = relabel.__getitem__  # ImageFolder: relabel each sample as it is read
+    return Subset(dataset, keep.tolist())
 
 
 def read_weights_file(path):
@@ -110,7 +163,13 @@ def read_weights_file(path):
         state = state["model"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         fail(f"--weights-file {path} holds no state_dict (a dict of tensors, or one under 'model')")
-    return state
+    # A model saved through its DDP or torch.compile wrapper has every key prefixed.
+    clean = {}
+    for key, value in state.items():
+        while key.startswith(WRAPPER_PREFIXES):
+            key = key.split(".", 1)[1]
+        clean[key] = value
+    return clean
 
 
 def pretrained_state(args, is_main):
@@ -121,50 +180,76 @@ def pretrained_state(args, is_main):
         return None
     from torchvision.models import get_model_weights
 
-    choices = get_model_weights(args.arch)
+    choices = get_model_weights(args.model)
     if args.weights not in choices.__members__:
-        fail(f"--weights {args.weights} does not exist for {args.arch}: choose from {', '.join(choices.__members__)}")
+        fail(f"--weights {args.weights} does not exist for {args.model}: choose from {', '.join(choices.__members__)}")
     try:
         # Every rank reads the file from the hub cache; the first run downloads it there (to
         # a temporary name, renamed when complete, so ranks downloading at once do no harm).
         return choices[args.weights].get_state_dict(progress=is_main, check_hash=True)
     except Exception as e:  # noqa: BLE001 - no network, a proxy, a full disk: the way out is the same
         fail(
-            f"could not download the {args.arch} {args.weights} weights ({first_line(e)}); offline, pass "
+            f"could not download the {args.model} {args.weights} weights ({first_line(e)}); offline, pass "
             "--weights-file PATH (a state_dict saved with torch.save) or --weights none (random initialisation)"
         )
 
 
-def build_model(args, num_classes, is_main):
-    """The pretrained network with a new head of `num_classes` outputs."""
+def seems_to_hold(state):
+    """A guess at what a state_dict is: the torchvision ResNet it fits best, or its first names."""
     from torchvision.models import get_model
 
-    model = get_model(args.arch, weights=None)  # ImageNet's shape (1000 classes), random weights
+    ours = {(k, tuple(v.shape)) for k, v in state.items()}
+    for arch in ARCHS:
+        with torch.device("meta"):  # shapes only: no memory, no time spent on initialisation
+            theirs = {(k, tuple(v.shape)) for k, v in get_model(arch).state_dict().items()}
+        if len(ours & theirs) > 0.9 * len(ours | theirs):  # all but a head of another size
+            return f"a torchvision {arch}"
+    return f"{len(state)} tensors named {', '.join(list(state)[:3])}, ..., no torchvision ResNet"
+
+
+def build_model(args, num_classes, is_main):
+    """The network with a new head of `num_classes` outputs, and the names of its tensors that
+    no weights were loaded into: the head and whatever else did not fit. These train."""
+    from torchvision.models import get_model
+
+    model = get_model(args.model, weights=None)  # ImageNet's shape (1000 classes), random weights
     # The new head: a linear layer from the pooled features to this data set's classes. It
-    # starts random (the same on every rank: same seed), the one part with nothing to keep.
+    # starts random (the same on every rank: same seed) and is never loaded, even where its
+    # shape fits: its outputs meant another data set's classes.
     model.fc = nn.Linear(model.fc.in_features, num_classes)
+    own = model.state_dict()
     state = pretrained_state(args, is_main)
-    if state is not None:
-        # Everything but the old head (ImageNet's 1000 classes, or another fine-tune's) loads.
-        source = args.weights_file or f"--weights {args.weights}"
-        state = {k: v for k, v in state.items() if not k.startswith("fc.")}
-        try:
-            missing, unexpected = model.load_state_dict(state, strict=False)
-        except RuntimeError as e:  # a tensor of another shape
-            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-            fail(f"{source} does not fit --arch {args.arch}: {lines[1] if len(lines) > 1 else lines[0]}")
-        missing = [k for k in missing if not k.startswith("fc.")]
-        if missing or unexpected:
-            fail(
-                f"{source} does not fit --arch {args.arch}: {len(missing)} missing and {len(unexpected)} "
-                f"unexpected keys (first: {(missing + unexpected)[0]})"
-            )
-    return model
+    if state is None:
+        return model, set(own)  # --weights none: nothing pretrained, everything trains
+    source = args.weights_file or f"--weights {args.weights}"
+    # Load every tensor whose name and shape fit; report the rest, which stay random.
+    fits = {k: v for k, v in state.items() if k in own and v.shape == own[k].shape and not k.startswith("fc.")}
+    # Another architecture can still share many names and shapes by chance (64-wide BatchNorm
+    # vectors are everywhere; resnet50 fits 98 of resnet18's 122 tensors), so the test counts
+    # the convolution kernels and weight matrices, which hold what was learnt: fewer than half
+    # of them loaded means the file holds another network, not a fine-tuning start.
+    kernels = [k for k, v in own.items() if v.dim() > 1]
+    if sum(k in fits for k in kernels) < len(kernels) / 2:
+        fail(
+            f"{source} does not fit --model {args.model}: only {sum(k in fits for k in kernels)} of its "
+            f"{len(kernels)} weight tensors match by name and shape; it seems to hold {seems_to_hold(state)}"
+        )
+    model.load_state_dict(fits, strict=False)
+    why = {k: f" ({tuple(v.shape)} in the file)" for k, v in state.items() if k in own and not k.startswith("fc.")}
+    skipped = ", ".join(
+        k + why.get(k, "" if k.startswith("fc.") else " (not in the file)") for k in own if k not in fits
+    )
+    unused = [k for k in state if k not in own]
+    print0(
+        f"{source}: loaded {len(fits)} of {len(own)} tensors; random, trained: {skipped}; "
+        f"{len(unused)} tensors of the file unused" + (f" ({unused[0]}, ...)" if unused else "")
+    )
+    return model, set(own) - set(fits)
 
 
-def freeze(model, trainable_layers):
-    """Freeze all but the head and the last `trainable_layers` stages; return the frozen
-    BatchNorm layers, which must be kept in eval mode while the rest trains."""
+def freeze(model, trainable_layers, new):
+    """Freeze all but the head, the last `trainable_layers` stages and the `new` (random)
+    tensors; return the frozen BatchNorm layers, which must be kept in eval mode."""
     stages = [nn.ModuleList([model.conv1, model.bn1]), model.layer1, model.layer2, model.layer3, model.layer4]
     # requires_grad=False: autograd computes no gradient for these weights (and none at all
     # below the lowest trainable layer), DDP neither registers nor all-reduces them, and the
@@ -172,7 +257,9 @@ def freeze(model, trainable_layers):
     model.requires_grad_(False)
     for stage in stages[len(stages) - trainable_layers :]:
         stage.requires_grad_(True)
-    model.fc.requires_grad_(True)
+    for name, param in model.named_parameters():
+        if name in new:  # a frozen random layer would only scramble what the layers above it see
+            param.requires_grad_(True)
     # A frozen BatchNorm must keep its running mean and variance too. In train mode it would
     # replace them with this data set's batch statistics (while its weight and bias, frozen,
     # stay fitted to the old ones), and normalise with the statistics of each small batch:
@@ -182,15 +269,10 @@ def freeze(model, trainable_layers):
 
 
 class ToImageNetInput(nn.Module):
-    """What an ImageNet network expects: 3 channels, at about the size it was trained on.
-
-    Runs on the device, on the whole batch. Grayscale images become 3 equal channels (the
-    first convolution has 3 input channels). No normalisation here: load_datasets already
-    normalised imagefolder with ImageNet's mean and std (those of every torchvision ImageNet
-    weight), and the in-memory sets to mean 0 and std 1 per channel with their own statistics,
-    which is the range ImageNet's normalisation gives ImageNet images; normalising again would
-    shift and scale them twice.
-    """
+    """What an ImageNet network expects: 3 channels, at about the size it was trained on; on the
+    device, for the whole batch. Grayscale becomes 3 equal channels. No normalisation here:
+    load_datasets already normalised imagefolder with ImageNet's mean and std, and the in-memory
+    sets to mean 0 and std 1 per channel, the range ImageNet's normalisation gives ImageNet images."""
 
     def __init__(self, size):
         super().__init__()
@@ -209,15 +291,33 @@ class ToImageNetInput(nn.Module):
 def train(args, info):
     device, rank, world = info.device, info.rank, info.world_size
     seed_everything(args.seed)  # same seed on every rank: the same new head everywhere
-    train_set, test_set, num_classes, _ = load_datasets(args.data, args.data_dir, args.download, args.image_size)
+    train_set, test_set, num_classes, _ = load_datasets(
+        args.data, args.data_dir, args.download, args.image_size, info.local_rank
+    )
+    if args.classes or args.train_per_class:
+        classes = args.classes or list(range(num_classes))
+        if classes[-1] >= num_classes:
+            fail(f"--classes {classes[-1]} does not exist: {args.data} has classes 0-{num_classes - 1}")
+        train_set = select(train_set, classes, args.train_per_class, args.seed)
+        test_set, num_classes = select(test_set, classes, 0, args.seed), len(classes)
     if len(train_set) // world < args.batch_size:
         fail(f"--batch-size {args.batch_size} is larger than one rank's shard ({len(train_set) // world} samples)")
-    train_sampler, train_loader, test_loader = build_loaders(args, train_set, test_set, info)
-    steps_per_epoch = len(train_loader)
-    total_steps = min(args.epochs * steps_per_epoch, args.max_steps or math.inf)
 
-    model = build_model(args, num_classes, rank == 0)
-    frozen_norms = freeze(model, args.trainable_layers)
+    # DistributedSampler hands each rank a disjoint 1/world of a permutation that depends on
+    # (seed, epoch): set_epoch() below makes every epoch's order new. drop_last trims the set
+    # to a multiple of world instead of padding it with repeated samples.
+    train_sampler = DistributedSampler(train_set, world, rank, shuffle=True, seed=args.seed, drop_last=True)
+    # pin_memory: page-locked host memory lets the copies to the GPU overlap compute.
+    loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda", collate_fn=collate)
+    loader_args.update(persistent_workers=args.workers > 0)
+    # drop_last: every step sees a full batch (steady BatchNorm statistics).
+    train_loader = DataLoader(train_set, args.batch_size, sampler=train_sampler, drop_last=True, **loader_args)
+    # Each test sample exactly once over all ranks (DistributedSampler would pad with repeats).
+    test_loader = DataLoader(eval_shard(test_set, rank, world), 2 * args.batch_size, **loader_args)
+    total_steps = min(args.epochs * len(train_loader), args.max_steps or math.inf)
+
+    model, new = build_model(args, num_classes, rank == 0)
+    frozen_norms = freeze(model, args.trainable_layers, new)
     model = model.to(device, memory_format=torch.channels_last)
     net = nn.Sequential(ToImageNetInput(args.image_size), model)  # `model` alone is what gets saved
 
@@ -227,26 +327,28 @@ def train(args, info):
     if out:
         (out / "metrics.jsonl").unlink(missing_ok=True)  # no resume: this run's epochs only
 
-    # Two learning rates: the new head starts random and needs a large one; the pretrained
-    # stages need only small corrections, and a large rate would wreck what they learnt.
+    # Two learning rates: the new head (and any other random tensor) needs a large one; the
+    # pretrained stages need only small corrections, and a large rate would wreck what they learnt.
     lr = args.lr * args.batch_size * world / 256  # linear scaling rule, as in ddp_train.py
-    head = list(model.fc.parameters())
-    backbone = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith("fc.")]
-    groups = [dict(params=head, lr=lr)] + ([dict(params=backbone, lr=lr * args.backbone_lr_scale)] if backbone else [])
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    fresh, tuned = [p for n, p in trainable if n in new], [p for n, p in trainable if n not in new]
+    groups = [dict(params=fresh, lr=lr)] + ([dict(params=tuned, lr=lr * args.backbone_lr_scale)] if tuned else [])
     optimizer = torch.optim.SGD(groups, momentum=args.momentum, nesterov=True, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, total_steps)
 
-    # After freezing: DDP looks at requires_grad when it is built, so it all-reduces only the
-    # trainable parameters. All of those are used in every forward, so find_unused_parameters
-    # (an extra pass over the graph each step) is not needed. DDP also broadcasts rank 0's
-    # weights here, so every rank starts from the same pretrained model and head.
-    ddp_net = wrap_ddp(net, info)
+    # The DDP wrap, after freezing: DDP looks at requires_grad when it is built, so it
+    # all-reduces only the trainable parameters, in buckets while backward() still runs. All
+    # of those are used in every forward, so find_unused_parameters (an extra pass over the
+    # graph each step) is not needed. DDP also broadcasts rank 0's weights and buffers here,
+    # so every rank starts from the same pretrained model and head.
+    ddp_net = net
+    if info.distributed:
+        ddp_net = DDP(net, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
 
-    trained = sum(p.numel() for g in groups for p in g["params"])
-    total = sum(p.numel() for p in model.parameters())
     print0(
-        f"{args.arch} on {args.data}: training {trained:,} of {total:,} parameters (head + {args.trainable_layers} "
-        f"stages), {len(frozen_norms)} frozen BatchNorm layers; {world} process(es) on {device.type}, "
+        f"{args.model} on {args.data} ({num_classes} classes, {len(train_set)} training images): training "
+        f"{sum(p.numel() for p in fresh + tuned):,} of {sum(p.numel() for p in model.parameters()):,} "
+        f"parameters, {len(frozen_norms)} frozen BatchNorm layers; {world} process(es) on {device.type}, "
         f"global batch {args.batch_size * world}, head lr {lr:.3g}"
     )
     step = 0
@@ -283,24 +385,16 @@ def train(args, info):
         # The unwrapped net: DDP's forward would broadcast buffers, a collective that hangs
         # when ranks have different numbers of test batches. All ranks participate.
         test_loss, test_acc = evaluate(net, test_loader, device)
-        record = dict(
-            epoch=epoch,
-            step=step,
-            train_loss=train_loss,
-            test_loss=test_loss,
-            test_acc=test_acc,
-            epoch_seconds=epoch_seconds,
-            samples_per_second=totals[1].item() / epoch_seconds,
-            lr=scheduler.get_last_lr()[0],
-            world_size=world,
-        )
+        record = dict(epoch=epoch, step=step, train_loss=train_loss, test_loss=test_loss, test_acc=test_acc)
+        record.update(epoch_seconds=epoch_seconds, samples_per_second=totals[1].item() / epoch_seconds)
+        record.update(lr=scheduler.get_last_lr()[0], world_size=world)
         print0(
             f"epoch {epoch}: train_loss {train_loss:.4f} test_loss {test_loss:.4f} test_acc {test_acc:.4f} "
             f"{epoch_seconds:.1f}s {record['samples_per_second']:.0f} samples/s"
         )
         if out:
             # "model" is the bare ResNet with its new head: it loads into
-            # torchvision.models.get_model(arch, num_classes=...) as it is.
+            # torchvision.models.get_model(model, num_classes=...) as it is.
             state = dict(model=model.state_dict(), optimizer=optimizer.state_dict(), epoch=epoch + 1, step=step)
             save_checkpoint(dict(state, world_size=world, args=vars(args)), out / "checkpoint.pt")
             append_metrics(out / "metrics.jsonl", record)  # after the checkpoint: every line has its weights

@@ -1,7 +1,9 @@
 """finetune.py: frozen layers (weights AND BatchNorm statistics) come out exactly as they went
-in, the head and the unfrozen stages train, 2 processes equal 1, and bad weights files or
-flags end in one line. The "pretrained" weights are a seeded random ResNet-18 saved here:
-nothing is downloaded."""
+in, the head and the unfrozen stages train, 2 processes equal 1, weights load by name and
+shape (from another class count, a ddp_train.py ResNet-18, through wrapper prefixes) and
+another network is refused, transfer beats training from scratch on Fashion-MNIST, and bad
+weights files or flags end in one line. The "pretrained" weights are a seeded random
+ResNet-18 saved here, or runs made here: nothing is downloaded."""
 
 import random
 
@@ -100,7 +102,7 @@ def test_torchrun_matches_single_process(tmp_path, probe, pretrained):
     # The test can fail: the head moved far from its initial value, the same for both runs
     # (same seed), so half the rate or one rank's gradients alone would show.
     common.seed_everything(0)  # what finetune.py does before it builds the model
-    start = finetune.build_model(finetune.get_args(["--weights", "none"]), num_classes=10, is_main=True)
+    start, _ = finetune.build_model(finetune.get_args(["--weights", "none"]), num_classes=10, is_main=True)
     initial = start.fc.state_dict()
     moved = {k.removeprefix("fc."): v for k, v in reference["model"].items() if k.startswith("fc.")}
     assert max_abs_diff(moved, initial) > 1000 * ATOL
@@ -110,17 +112,89 @@ def test_torchrun_matches_single_process(tmp_path, probe, pretrained):
     assert two["world_size"] == 2 and two["test_loss"] == pytest.approx(one["test_loss"], abs=1e-4)
 
 
-def test_weights_file_forms(no_launcher, tmp_path, pretrained, probe):
-    # A bare state_dict and a checkpoint of these scripts (10-class head) both give the
-    # backbone; the old head is dropped, the new one has this data set's classes.
+def prefixed(state, prefix):
+    return {prefix + k: v for k, v in state.items()}
+
+
+def test_weights_load_by_name_and_shape(no_launcher, capsys, tmp_path, pretrained, probe):
+    # A bare state_dict, a checkpoint of these scripts with a 10-class head, and a state_dict
+    # saved through DDP and torch.compile wrappers all give the backbone bit for bit; the old
+    # head is skipped and reported, the new one has this data set's classes.
     before = torch.load(pretrained, weights_only=True)
-    for path in (pretrained, probe / "checkpoint.pt"):
+    wrapped = tmp_path / "wrapped.pt"
+    torch.save(prefixed(prefixed(before, "_orig_mod."), "module."), wrapped)
+    for path in (pretrained, probe / "checkpoint.pt", wrapped):
         args = finetune.get_args(["--weights-file", str(path)])
-        model = finetune.build_model(args, num_classes=7, is_main=True)
-        assert model.fc.out_features == 7
+        model, new = finetune.build_model(args, num_classes=5, is_main=True)
+        assert model.fc.out_features == 5 and new == {"fc.weight", "fc.bias"}
         for key, value in model.state_dict().items():
             if not key.startswith("fc."):
                 assert torch.equal(value, before[key]), key
+        [summary] = capsys.readouterr().out.splitlines()
+        assert f"{path}: loaded 120 of 122 tensors; random, trained: fc.weight, fc.bias;" in summary, summary
+
+
+def test_deeper_network_loads_what_fits(no_launcher, capsys, tmp_path):
+    # resnet34 holds every name and shape of resnet18 and more: those load, the rest is counted.
+    torch.manual_seed(0)
+    state = torchvision.models.resnet34(weights=None).state_dict()
+    torch.save(state, tmp_path / "resnet34.pt")
+    model, new = finetune.build_model(finetune.get_args(["--weights-file", str(tmp_path / "resnet34.pt")]), 3, True)
+    assert new == {"fc.weight", "fc.bias"} and torch.equal(model.layer4[1].conv2.weight, state["layer4.1.conv2.weight"])
+    assert "loaded 120 of 122 tensors" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def ddp_resnet18(tmp_path_factory):
+    """A ddp_train.py --model resnet18 checkpoint: a 3x3 stem on 1 channel, no prefixes."""
+    out = tmp_path_factory.mktemp("ddp_resnet18")
+    run_python(
+        ["ddp_train.py", *SYNTHETIC, "--model", "resnet18", "--max-steps", "1", "--batch-size", "8"]
+        + ["--output-dir", out]
+    )
+    return out / "checkpoint.pt"
+
+
+def test_ddp_train_resnet18_fine_tunes_on_other_classes(tmp_path, ddp_resnet18):
+    # Its stem (3x3 on 1 channel, against 7x7 on 3) and its 10-class head are skipped and
+    # reported; everything else loads. 5 classes here: another class count, by name.
+    proc = run_python(
+        ["finetune.py", *FAST, "--weights-file", ddp_resnet18, "--classes", "0-4", "--batch-size", "32"]
+        + ["--output-dir", tmp_path]
+    )
+    assert (
+        f"{ddp_resnet18}: loaded 119 of 122 tensors; random, trained: conv1.weight ((64, 1, 3, 3) in the file), "
+        "fc.weight, fc.bias; 0 tensors of the file unused" in proc.stdout
+    ), proc.stdout
+    source, after = load_ckpt(ddp_resnet18)["model"], load_ckpt(tmp_path)["model"]
+    assert after["conv1.weight"].shape == (64, 3, 7, 7) and after["fc.weight"].shape == (5, 512)
+    # --trainable-layers 1 (the default): the stem's BatchNorm and layer1-3 were loaded and
+    # stayed frozen, bit for bit; layer4 trained.
+    for key, value in after.items():
+        if key.startswith(("bn1.", "layer1.", "layer2.", "layer3.")):
+            assert torch.equal(value, source[key]), key
+    assert not torch.equal(after["layer4.1.conv2.weight"], source["layer4.1.conv2.weight"])
+    # The random stem trains, at the head's rate: [conv1.weight, fc.weight, fc.bias], then layer4.
+    groups = load_ckpt(tmp_path)["optimizer"]["param_groups"]
+    assert [len(g["params"]) for g in groups] == [3, 15]  # layer4: 2 blocks of 6, and the downsample 3
+
+
+def test_select_classes_and_labels_per_class():
+    dataset, _, _, _ = common.load_datasets("synthetic", "unused")
+    labels = dataset.labels
+    picked = finetune.select(dataset, [2, 7], 4, seed=0)
+    assert picked.labels.tolist().count(0) == picked.labels.tolist().count(1) == 4 and picked.classes == [
+        "class2",
+        "class7",
+    ]
+    # Each picked image is one of its class (relabelled 2 -> 0, 7 -> 1); a seed picks the same ones again.
+    for image, label in zip(picked.images, picked.labels, strict=True):
+        [index] = [i for i in range(len(dataset)) if torch.equal(dataset.images[i], image)]
+        assert dataset.labels[index] == [2, 7][label]
+    assert torch.equal(finetune.select(dataset, [2, 7], 4, seed=0).images, picked.images)
+    assert not torch.equal(finetune.select(dataset, [2, 7], 4, seed=1).images, picked.images)
+    everything = finetune.select(dataset, [2, 7], 0, seed=0)  # 0: all images of those classes
+    assert len(everything) == int(((labels == 2) | (labels == 7)).sum())
 
 
 # ----------------------------------------------------------------------------------------
@@ -135,12 +209,12 @@ def fails(argv):
     return message
 
 
-def resnet34_file(path):
-    torch.save(torchvision.models.resnet34(weights=None).state_dict(), path)
-
-
 def resnet50_file(path):
     torch.save({"model": torchvision.models.resnet50(weights=None).state_dict()}, path)
+
+
+def small_cnn_file(path):  # what ddp_train.py --model cnn saves
+    torch.save({"model": common.SmallCNN(1, 10).state_dict()}, path)
 
 
 @pytest.mark.parametrize(
@@ -151,10 +225,17 @@ def resnet50_file(path):
         (lambda p: p.write_bytes(b""), "cannot read"),
         (lambda p: torch.save([1, 2, 3], p), "no state_dict"),
         (lambda p: torch.save({"model": {}, "obj": torch.nn.Identity()}, p), "unsafe"),
-        (resnet34_file, "does not fit --arch resnet18"),  # more blocks: unexpected keys
-        (resnet50_file, "does not fit --arch resnet18"),  # other shapes
+        # Another network, in one line that says what the file seems to hold.
+        (
+            resnet50_file,
+            "only 9 of its 21 weight tensors match by name and shape; it seems to hold a torchvision resnet50",
+        ),
+        (
+            small_cnn_file,
+            "only 0 of its 21 weight tensors match by name and shape; it seems to hold 20 tensors named features.0",
+        ),
     ],
-    ids=["missing", "random-bytes", "empty", "not-a-dict", "unsafe-pickle", "resnet34", "resnet50"],
+    ids=["missing", "random-bytes", "empty", "not-a-dict", "unsafe-pickle", "resnet50", "small-cnn"],
 )
 def test_bad_weights_file(no_launcher, tmp_path, make, words):
     path = tmp_path / "weights.pt"
@@ -169,7 +250,17 @@ def test_bad_weights_file(no_launcher, tmp_path, make, words):
     [
         (["--trainable-layers", "6"], "--trainable-layers"),
         (["--trainable-layers", "-1"], "--trainable-layers"),
-        (["--arch", "vgg16"], "--arch"),
+        (["--arch", "vgg16"], "--model"),
+        (["--model", "vgg16"], "--model"),
+        (["--classes", "5-3"], "--classes"),
+        (["--classes", "0"], "at least 2 classes"),
+        (["--classes", "0,1,1"], "each once"),
+        (["--classes=-1,2"], "numbers and ranges"),
+        (["--classes", "0-4-6"], "numbers and ranges"),
+        (["--classes", "a"], "numbers and ranges"),
+        (["--classes", "8-10"], "--classes 10 does not exist: synthetic has classes 0-9"),
+        (["--train-per-class", "-1"], "--train-per-class"),
+        (["--train-per-class", "1000"], "--train-per-class 1000: class 0 has only"),
         (["--weights", "IMAGENET9K"], "IMAGENET1K_V1"),  # the choices are named
         (["--image-size", "16"], "--image-size"),
         (["--backbone-lr-scale", "0"], "--backbone-lr-scale"),
