@@ -1,9 +1,9 @@
 """finetune.py: frozen layers (weights AND BatchNorm statistics) come out exactly as they went
 in, the head and the unfrozen stages train, 2 processes equal 1, weights load by name and
 shape (from another class count, a ddp_train.py ResNet-18, through wrapper prefixes) and
-another network is refused, transfer beats training from scratch on Fashion-MNIST, and bad
-weights files or flags end in one line. The "pretrained" weights are a seeded random
-ResNet-18 saved here, or runs made here: nothing is downloaded."""
+another network is refused, and bad weights files or flags end in one line. The "pretrained"
+weights are a seeded random ResNet-18 saved here, or runs made here: nothing is downloaded.
+Transfer against training from scratch, on real data, is in test_fashion_mnist.py."""
 
 import random
 
@@ -142,6 +142,31 @@ def test_deeper_network_loads_what_fits(no_launcher, capsys, tmp_path):
     model, new = finetune.build_model(finetune.get_args(["--weights-file", str(tmp_path / "resnet34.pt")]), 3, True)
     assert new == {"fc.weight", "fc.bias"} and torch.equal(model.layer4[1].conv2.weight, state["layer4.1.conv2.weight"])
     assert "loaded 120 of 122 tensors" in capsys.readouterr().out
+
+
+def test_fine_tunes_from_one_data_set_to_another(tmp_path, probe):
+    # The probe learnt the 10 classes of the synthetic set; an ImageFolder of 3 classes of
+    # RGB images starts from its checkpoint: everything but the head loads by name, and the
+    # frozen stages (--trainable-layers 1: all but layer4) come out bit for bit.
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for c in range(3):
+            (tmp_path / "images" / split / f"c{c}").mkdir(parents=True)
+            for i in range(8):
+                color = (80 * c, 10 * i, 255 - 80 * c)
+                Image.new("RGB", (32, 32), color).save(tmp_path / "images" / split / f"c{c}" / f"{i}.png")
+    source = probe / "checkpoint.pt"
+    proc = run_python(
+        ["finetune.py", "--data", "imagefolder", "--data-dir", tmp_path / "images", "--device", "cpu"]
+        + ["--image-size", "32", "--batch-size", "8", "--weights-file", source, "--output-dir", tmp_path / "out"]
+    )
+    assert f"{source}: loaded 120 of 122 tensors; random, trained: fc.weight, fc.bias;" in proc.stdout, proc.stdout
+    before, after = load_ckpt(probe)["model"], load_ckpt(tmp_path / "out")["model"]
+    assert before["fc.weight"].shape == (10, 512) and after["fc.weight"].shape == (3, 512)
+    for key, value in after.items():
+        if not key.startswith(("fc.", "layer4.")):
+            assert torch.equal(value, before[key]), key
 
 
 @pytest.fixture(scope="module")
