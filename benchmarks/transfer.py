@@ -32,8 +32,9 @@ def finetune(flags, out):
     print("$", " ".join(cmd[1:]), flush=True)
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True)
-    if proc.returncode != 0:  # its last lines say why (the progress bars fill stderr otherwise)
-        sys.exit(f"exit {proc.returncode}:\n{proc.stderr[-2000:]}")
+    if proc.returncode != 0:  # finetune.py's last line says why (progress bars fill the rest of stderr)
+        last = [line for line in proc.stderr.replace("\r", "\n").splitlines() if line.strip()] or ["no output"]
+        sys.exit(f"finetune.py failed (exit {proc.returncode}): {last[-1]}")
     wall = time.perf_counter() - start
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return records[-1] | dict(train_seconds=sum(r["epoch_seconds"] for r in records), wall_seconds=wall)
@@ -50,6 +51,11 @@ def main():
     p.add_argument("--data-dir", default="data", help="where Fashion-MNIST is (as for finetune.py)")
     p.add_argument("--download", action="store_true", help="download Fashion-MNIST there if missing")
     args = p.parse_args()
+    # Checked here, not by the few-label runs: those start only after the minutes of the base run.
+    if min(args.seeds, args.per_class, args.epochs, args.batch_size) < 1 or not args.lr > 0:
+        p.error("--seeds, --per-class, --epochs, --batch-size and --lr must be positive")
+    if args.per_class > 6000 or args.batch_size > 5 * args.per_class:
+        p.error("Fashion-MNIST has 6000 training images per class, and --batch-size must fit in 5 x --per-class")
 
     work = ROOT / "benchmarks" / "runs" / "transfer"
     shutil.rmtree(work, ignore_errors=True)

@@ -47,3 +47,11 @@ def test_gpu_bare_loop_flags_run_on_cpu():
     proc = run_python(["benchmarks/bare_loop.py", *flags, *SYNTHETIC, "--steps", "2"])
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["amp"] == "bf16" and result["augment"] and result["ms_per_step_wall"] > 0
+
+
+def test_transfer_benchmark_refuses_impossible_flags_before_its_base_run():
+    # The base run takes minutes; flags that would only fail in the runs after it stop at once.
+    for flags in (["--epochs", "0"], ["--per-class", "4", "--batch-size", "25"]):
+        proc = run_python(["benchmarks/transfer.py", *flags], check=False, timeout=30)
+        assert proc.returncode == 2 and "transfer.py: error:" in proc.stderr, proc.stderr
+        assert "$ finetune.py" not in proc.stdout  # nothing was started
