@@ -5,7 +5,7 @@ then classes 5-9 from a few labels each, starting from those weights or from ran
 the same flags and the same number of steps. One process on CPU, every run one after another
 in this one invocation.
 
-    python benchmarks/transfer.py                     # 64 pixels, 5 seeds: about 10 minutes on 2 cores
+    python benchmarks/transfer.py                     # 64 pixels, 5 seeds: about 8 minutes on 2 cores
     python benchmarks/transfer.py --image-size 32     # less to gain (see README.md, Transfer)
 
 The seed picks the labelled images, the new head and the order of the batches. Prints a
