@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import time
 import uuid
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -605,6 +606,16 @@ def set_rng_state(state):
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"].cpu())
+
+
+def fast_forward(scheduler, steps):
+    """Step a new scheduler `steps` times, to where a resumed run stopped: its rate is a
+    function of the step. PyTorch warns when a scheduler steps before its optimizer ever has
+    (the usual sign of calling the two in the wrong order); here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before", UserWarning)
+        for _ in range(steps):
+            scheduler.step()
 
 
 def atomic_write(path, write):

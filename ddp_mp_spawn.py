@@ -47,6 +47,7 @@ from common import (
     eval_shard,
     evaluate,
     fail,
+    fast_forward,
     first_line,
     imagefolder_size,
     init_distributed_mode,
@@ -147,14 +148,6 @@ def train(args, info):
     optimizer = torch.optim.SGD(
         model.parameters(), lr=lr, momentum=args.momentum, nesterov=True, weight_decay=args.weight_decay
     )
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer,
-        max_lr=lr,
-        total_steps=total_steps,
-        pct_start=max(args.warmup, 1e-3),
-        anneal_strategy="cos",
-        cycle_momentum=False,  # keep Nesterov momentum fixed; only the rate cycles
-    )
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     autocast = functools.partial(torch.autocast, device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
@@ -171,17 +164,26 @@ def train(args, info):
         if changed:  # the schedule is a function of these: it cannot go on where it was
             was = ", ".join(f"--{k} {ckpt['args'][k]}" for k in changed)
             fail(f"{path} was trained with {was}; resume with the same, or start anew in another --output-dir")
-        optimizer.load_state_dict(ckpt["optimizer"])
+        optimizer.load_state_dict(ckpt["optimizer"])  # momentum; the scheduler below sets the rates
         if ckpt["scaler"]:  # empty when saved without fp16
             scaler.load_state_dict(ckpt["scaler"])
         # Resume at an epoch boundary (a run stopped inside an epoch starts it again), also
-        # with another --nprocs: the peak rate above is this run's, the schedule's place the same.
+        # with another --nprocs: the schedule's place is the same, its peak this run's.
         step = ckpt["epoch"] * steps_per_epoch
-        for _ in range(step):
-            scheduler.step()
         if ckpt["epoch_step"] == 0 and ckpt["world_size"] == world:
             set_rng_state(ckpt["rng"][rank])
         print0(f"resumed from {path} at epoch {ckpt['epoch']}")
+    # Made after the optimizer's state is loaded, which carries the old run's rates: OneCycleLR
+    # writes this run's peak (another --nprocs scales it) into the optimizer.
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer,
+        max_lr=lr,
+        total_steps=total_steps,
+        pct_start=max(args.warmup, 1e-3),
+        anneal_strategy="cos",
+        cycle_momentum=False,  # keep Nesterov momentum fixed; only the rate cycles
+    )
+    fast_forward(scheduler, step)
     start_epoch = step // steps_per_epoch
     if out:
         trim_metrics(out / "metrics.jsonl", start_epoch)

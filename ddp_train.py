@@ -68,6 +68,7 @@ from common import (
     eval_shard,
     evaluate,
     fail,
+    fast_forward,
     first_line,
     imagefolder_size,
     init_distributed_mode,
@@ -450,8 +451,7 @@ def train(args, info):
                 step = ckpt["epoch"] * steps_per_epoch
                 for group, lrs in zip(optimizer.param_groups, fresh, strict=True):
                     group.update(lrs)
-                for _ in range(step):
-                    scheduler.step()
+                fast_forward(scheduler, step)
             epoch, epoch_step = divmod(step, steps_per_epoch)
             print0(f"resumed from {resume} at epoch {epoch}, step {epoch_step} of {steps_per_epoch}")
 

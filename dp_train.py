@@ -42,6 +42,7 @@ from common import (
     detect_launcher,
     evaluate,
     fail,
+    fast_forward,
     imagefolder_size,
     init_distributed_mode,
     load_checkpoint,
@@ -147,14 +148,6 @@ def train(args, device):
     optimizer = torch.optim.SGD(
         model.parameters(), lr=lr, momentum=args.momentum, nesterov=True, weight_decay=args.weight_decay
     )
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer,
-        max_lr=lr,
-        total_steps=total_steps,
-        pct_start=max(args.warmup, 1e-3),
-        anneal_strategy="cos",
-        cycle_momentum=False,  # keep Nesterov momentum fixed; only the rate cycles
-    )
     # fp16 gradients can underflow to zero: the scaler multiplies the loss first and divides
     # the gradients again before the step. bf16 has fp32's range and needs none.
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
@@ -168,17 +161,27 @@ def train(args, device):
         if changed:  # the schedule is a function of these: it cannot go on where it was
             was = ", ".join(f"--{k} {ckpt['args'][k]}" for k in changed)
             fail(f"{ckpt_path} was trained with {was}; resume with the same, or start anew in another --output-dir")
-        optimizer.load_state_dict(ckpt["optimizer"])
+        optimizer.load_state_dict(ckpt["optimizer"])  # momentum; the scheduler below sets the rates
         if ckpt["scaler"]:  # empty when saved without fp16
             scaler.load_state_dict(ckpt["scaler"])
         # Resume at an epoch boundary: a run stopped inside an epoch (--max-steps) starts that
-        # epoch again. The schedule is stepped to where that epoch began.
+        # epoch again.
         step = ckpt["epoch"] * steps_per_epoch
-        for _ in range(step):
-            scheduler.step()
         if ckpt["epoch_step"] == 0:
             set_rng_state(ckpt["rng"][0])
         print(f"resumed from {ckpt_path} at epoch {ckpt['epoch']}")
+    # Made after the optimizer's state is loaded, which carries the old run's rates: OneCycleLR
+    # writes this run's peak (another --batch-size scales it) into the optimizer, and is then
+    # stepped to where the resumed epoch begins.
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer,
+        max_lr=lr,
+        total_steps=total_steps,
+        pct_start=max(args.warmup, 1e-3),
+        anneal_strategy="cos",
+        cycle_momentum=False,  # keep Nesterov momentum fixed; only the rate cycles
+    )
+    fast_forward(scheduler, step)
     start_epoch = step // steps_per_epoch
     if out:
         trim_metrics(out / "metrics.jsonl", start_epoch)

@@ -5,7 +5,16 @@ import shutil
 
 import pytest
 import torch
-from conftest import CNN_ARGS, assert_state_close, load_ckpt, read_metrics, run_python, torchrun
+from conftest import (
+    CNN_ARGS,
+    DIST_TIMEOUT,
+    SYNTHETIC,
+    assert_state_close,
+    load_ckpt,
+    read_metrics,
+    run_python,
+    torchrun,
+)
 
 import common
 import ddp_train
@@ -100,3 +109,34 @@ def test_resume_on_another_world_size_starts_from_the_checkpoint(stopped_run, tm
     step = max((after["model"][k] - saved["model"][k]).abs().max().item() for k in weights)
     distance = max((fresh[k] - saved["model"][k]).abs().max().item() for k in weights)
     assert 0 < step < distance / 3  # a skipped load would leave about `distance` (0.13 here)
+
+
+# 2000 samples: 62 steps per epoch at global batch 32, 125 at 16.
+MLP_ARGS = [*SYNTHETIC, "--model", "mlp", "--epochs", "2", "--lr", "0.8", "--warmup", "0.3"]
+GLOBAL_32_THEN_16 = {
+    "dp_train": (["dp_train.py", "--batch-size", "32"], ["dp_train.py", "--batch-size", "16"]),
+    "ddp_mp_spawn": (
+        ["ddp_mp_spawn.py", "--nprocs", "2", "--batch-size", "16", *DIST_TIMEOUT],
+        ["ddp_mp_spawn.py", "--nprocs", "1", "--batch-size", "16", *DIST_TIMEOUT],
+    ),
+}
+
+
+@pytest.mark.parametrize("script", GLOBAL_32_THEN_16)
+def test_resume_at_another_global_batch_takes_this_runs_rate(tmp_path, script):
+    """Stopped after epoch 0 at global batch 32, resumed at 16: epoch 1 follows a schedule
+    made for batch 16 (peak 0.8 x 16 / 256), not the checkpoint's peak (twice that), which
+    the optimizer's saved state carries. The replay of the schedule prints no warning."""
+    first, second = GLOBAL_32_THEN_16[script]
+    run_python([*first, *MLP_ARGS, "--max-steps", "62", "--output-dir", tmp_path])
+    proc = run_python([*second, *MLP_ARGS, "--output-dir", tmp_path])
+    assert "resumed from" in proc.stdout and "Warning" not in proc.stderr, proc.stderr
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.8 * 16 / 256)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, 0.8 * 16 / 256, total_steps=250, pct_start=0.3, cycle_momentum=False
+    )
+    for _ in range(250):
+        optimizer.step()
+        scheduler.step()
+    assert [m["epoch"] for m in read_metrics(tmp_path)] == [0, 1]
+    assert read_metrics(tmp_path)[1]["lr"] == pytest.approx(scheduler.get_last_lr()[0], rel=1e-9)
