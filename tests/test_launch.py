@@ -280,3 +280,38 @@ def test_mpich_processes_reduce_integers():
         assert res["mean"] == 0.5
         assert res["threads"] == max(1, cores // 2)
         assert res["main"] == (rank == 0)
+
+
+# DDP imports torch._dynamo, and that import, made while a group is up, keeps the group alive
+# (seen with PyTorch 2.15): its threads outlive destroy_process_group() into interpreter exit,
+# where a live gloo group can abort the process ("terminate called without an active
+# exception", PyTorch issue 190489; most likely what once ended a finished mp.spawn run in CI).
+# init_distributed_mode() imports it before the group starts: nothing the group started may be
+# left once cleanup() has run.
+TEARDOWN = """
+import gc, json, os, torch, common
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+def threads():
+    return {t: open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")}
+
+before = threads()
+info = common.init_distributed_mode(device="cpu", timeout_s=60)
+model = DDP(torch.nn.Linear(4, 2))
+model(torch.ones(3, 4)).sum().backward()
+during = len(threads()) - len(before)
+del model
+common.cleanup()
+gc.collect()
+print(json.dumps(dict(during=during, left=sorted(n for t, n in threads().items() if t not in before))))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the threads from Linux's /proc")
+def test_cleanup_ends_the_process_groups_threads_after_ddp():
+    port = str(free_port())
+    envs = [clean_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for r in range(2)]
+    for r in run_ranks(["-c", TEARDOWN], envs, timeout=120):
+        res = json.loads(r.stdout.strip().splitlines()[-1])
+        assert res["during"] > 0  # the group ran threads of its own: there was something to end
+        assert res["left"] == [], res
