@@ -165,9 +165,10 @@ def init_distributed_mode(rank=None, world_size=None, backend=None, device="auto
                     "MASTER_PORT (a free port), e.g. mpirun -x MASTER_ADDR=host -x MASTER_PORT=29500"
                 )
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, master_port
-        # Before the group, not later by DDP: imported while a group is up, torch._dynamo keeps
-        # it alive past destroy_process_group() in cleanup(), and its threads run on into
-        # interpreter exit, where they can abort the process (PyTorch issue 190489).
+        # Before the group, not later by the first optimizer or DDP: imported while a group is
+        # up, torch._dynamo keeps it alive past destroy_process_group() in cleanup(), and its
+        # threads run on into interpreter exit, where they can abort the process (PyTorch
+        # issue 190489).
         importlib.import_module("torch._dynamo")
         # The timeout bounds rendezvous and every collective: a peer that never arrives or
         # dies ends the job with an error instead of a hang.

@@ -282,8 +282,8 @@ def test_mpich_processes_reduce_integers():
         assert res["main"] == (rank == 0)
 
 
-# DDP imports torch._dynamo, and that import, made while a group is up, keeps the group alive
-# (seen with PyTorch 2.15): its threads outlive destroy_process_group() into interpreter exit,
+# torch.optim and DDP import torch._dynamo; made while a group is up, that import keeps the group
+# alive (seen with PyTorch 2.15): its threads outlive destroy_process_group() into interpreter exit,
 # where a live gloo group can abort the process ("terminate called without an active
 # exception", PyTorch issue 190489; most likely what once ended a finished mp.spawn run in CI).
 # init_distributed_mode() imports it before the group starts: nothing the group started may be
@@ -299,6 +299,7 @@ before = threads()
 info = common.init_distributed_mode(device="cpu", timeout_s=60)
 model = DDP(torch.nn.Linear(4, 2))
 model(torch.ones(3, 4)).sum().backward()
+torch.optim.SGD(model.parameters(), lr=0.1).step()
 during = len(threads()) - len(before)
 del model
 common.cleanup()
