@@ -624,6 +624,19 @@ def fast_forward(scheduler, steps):
             scheduler.step()
 
 
+def load_optimizer_state(optimizer, state):
+    """Load a checkpoint's optimizer state (the momentum buffers) but keep this run's settings:
+    its flags (--lr, --momentum, --weight-decay) may differ from the saved run's, and its peak
+    rate is scaled for its own global batch. The saved param groups would bring back the old
+    ones, and an old scheduler's peak with them: make the scheduler after this call."""
+    own = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, settings in zip(optimizer.param_groups, own, strict=True):
+        params = group["params"]
+        group.clear()
+        group.update(settings, params=params)
+
+
 def atomic_write(path, write):
     """Call write(tmp_path), then rename over `path`: a crash mid-write leaves the previous
     file intact, never a truncated one (rename is atomic on POSIX file systems)."""

@@ -55,6 +55,7 @@ from common import (
     load_checkpoint,
     load_datasets,
     load_model_state,
+    load_optimizer_state,
     peer_failed,
     print0,
     reduce_value,
@@ -160,11 +161,14 @@ def train(args, info):
     step = 0
     if ckpt:
         load_model_state(model, ckpt["model"], path)  # onto this rank's device
-        changed = [k for k in ("epochs", "warmup") if ckpt["args"][k] != getattr(args, k)]
-        if changed:  # the schedule is a function of these: it cannot go on where it was
-            was = ", ".join(f"--{k} {ckpt['args'][k]}" for k in changed)
+        # The schedule is a function of these (ddp_train.py's --schedule may be another).
+        ours = dict(epochs=args.epochs, warmup=args.warmup, schedule="onecycle")
+        saved = {"schedule": "onecycle", **ckpt["args"]}
+        changed = [k for k in ours if saved[k] != ours[k]]
+        if changed:  # it cannot go on where it was
+            was = ", ".join(f"--{k} {saved[k]}" for k in changed)
             fail(f"{path} was trained with {was}; resume with the same, or start anew in another --output-dir")
-        optimizer.load_state_dict(ckpt["optimizer"])  # momentum; the scheduler below sets the rates
+        load_optimizer_state(optimizer, ckpt["optimizer"])  # momentum buffers; this run's flags
         if ckpt["scaler"]:  # empty when saved without fp16
             scaler.load_state_dict(ckpt["scaler"])
         # Resume at an epoch boundary (a run stopped inside an epoch starts it again), also
@@ -173,8 +177,8 @@ def train(args, info):
         if ckpt["epoch_step"] == 0 and ckpt["world_size"] == world:
             set_rng_state(ckpt["rng"][rank])
         print0(f"resumed from {path} at epoch {ckpt['epoch']}")
-    # Made after the optimizer's state is loaded, which carries the old run's rates: OneCycleLR
-    # writes this run's peak (another --nprocs scales it) into the optimizer.
+    # Made after the optimizer's state is loaded: OneCycleLR writes this run's peak (another
+    # --nprocs scales it) into the optimizer.
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
         optimizer,
         max_lr=lr,

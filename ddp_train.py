@@ -75,6 +75,7 @@ from common import (
     load_checkpoint,
     load_datasets,
     load_model_state,
+    load_optimizer_state,
     peer_failed,
     print0,
     reduce_value,
@@ -416,7 +417,6 @@ def train(args, info):
         optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, **sgd)
     else:
         optimizer = torch.optim.SGD(model.parameters(), **sgd)
-    scheduler = make_scheduler(optimizer, args, total_steps)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     autocast = functools.partial(torch.autocast, device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
@@ -431,29 +431,30 @@ def train(args, info):
     if resume:
         load_model_state(raw_model, ckpt["model"], resume)
         if not args.eval_only:
-            changed = [k for k in ("epochs", "schedule", "warmup") if ckpt["args"][k] != getattr(args, k)]
+            saved = {"schedule": "onecycle", **ckpt["args"]}  # dp_train.py and ddp_mp_spawn.py: onecycle
+            changed = [k for k in ("epochs", "schedule", "warmup") if saved[k] != getattr(args, k)]
             if changed:  # the schedule is a function of these: it cannot go on where it was
-                was = ", ".join(f"--{k} {ckpt['args'][k]}" for k in changed)
+                was = ", ".join(f"--{k} {saved[k]}" for k in changed)
                 fail(f"{resume} was trained with {was}; resume with the same, or start anew in another --output-dir")
-            # The optimizer's state brings back the old run's peak rate too (OneCycleLR keeps it
-            # in the param groups); keep this run's, which may be scaled for another world size.
-            fresh = [{k: g[k] for k in ("initial_lr", "max_lr", "min_lr") if k in g} for g in optimizer.param_groups]
-            optimizer.load_state_dict(ckpt["optimizer"])  # ZeRO keeps this rank's share of it
+            load_optimizer_state(optimizer, ckpt["optimizer"])  # ZeRO keeps this rank's share of it
             if ckpt["scaler"]:  # empty when saved without fp16: a new --amp fp16 starts a fresh scaler
                 scaler.load_state_dict(ckpt["scaler"])
-            if ckpt["world_size"] == world and ckpt["steps_per_epoch"] == steps_per_epoch:
+            # The same samples in the same order: go on after the last step saved, exactly.
+            same_order = all(saved.get(k) == getattr(args, k) for k in ("batch_size", "accum_steps", "seed"))
+            if same_order and ckpt["world_size"] == world and ckpt["steps_per_epoch"] == steps_per_epoch:
                 step = ckpt["step"]
-                scheduler.load_state_dict(ckpt["scheduler"])
                 set_rng_state(ckpt["rng"][rank])
             else:
-                # Another world size shards each epoch differently: a half-done epoch starts again
-                # (its first part trained twice), while the schedule resumes at the same point.
+                # Another world size or batch shards each epoch differently: a half-done epoch starts
+                # again (its first part trained twice), while the schedule resumes at the same point.
                 step = ckpt["epoch"] * steps_per_epoch
-                for group, lrs in zip(optimizer.param_groups, fresh, strict=True):
-                    group.update(lrs)
-                fast_forward(scheduler, step)
             epoch, epoch_step = divmod(step, steps_per_epoch)
             print0(f"resumed from {resume} at epoch {epoch}, step {epoch_step} of {steps_per_epoch}")
+
+    # Made after the optimizer's state is loaded, with this run's rates, and moved to the step
+    # the run goes on from (a function of the step alone).
+    scheduler = make_scheduler(optimizer, args, total_steps)
+    fast_forward(scheduler, step)
 
     if args.eval_only:
         test_loss, test_acc = evaluate(raw_model, test_loader, device, autocast())

@@ -48,6 +48,7 @@ from common import (
     load_checkpoint,
     load_datasets,
     load_model_state,
+    load_optimizer_state,
     rng_state,
     save_checkpoint,
     seed_everything,
@@ -157,11 +158,14 @@ def train(args, device):
     if args.output_dir and ckpt_path.is_file():
         ckpt = load_checkpoint(ckpt_path)  # onto the CPU; load_state_dict copies to the device
         load_model_state(model, ckpt["model"], ckpt_path)
-        changed = [k for k in ("epochs", "warmup") if ckpt["args"][k] != getattr(args, k)]
-        if changed:  # the schedule is a function of these: it cannot go on where it was
-            was = ", ".join(f"--{k} {ckpt['args'][k]}" for k in changed)
+        # The schedule is a function of these (ddp_train.py's --schedule may be another).
+        ours = dict(epochs=args.epochs, warmup=args.warmup, schedule="onecycle")
+        saved = {"schedule": "onecycle", **ckpt["args"]}
+        changed = [k for k in ours if saved[k] != ours[k]]
+        if changed:  # it cannot go on where it was
+            was = ", ".join(f"--{k} {saved[k]}" for k in changed)
             fail(f"{ckpt_path} was trained with {was}; resume with the same, or start anew in another --output-dir")
-        optimizer.load_state_dict(ckpt["optimizer"])  # momentum; the scheduler below sets the rates
+        load_optimizer_state(optimizer, ckpt["optimizer"])  # momentum buffers; this run's flags
         if ckpt["scaler"]:  # empty when saved without fp16
             scaler.load_state_dict(ckpt["scaler"])
         # Resume at an epoch boundary: a run stopped inside an epoch (--max-steps) starts that
@@ -170,9 +174,9 @@ def train(args, device):
         if ckpt["epoch_step"] == 0:
             set_rng_state(ckpt["rng"][0])
         print(f"resumed from {ckpt_path} at epoch {ckpt['epoch']}")
-    # Made after the optimizer's state is loaded, which carries the old run's rates: OneCycleLR
-    # writes this run's peak (another --batch-size scales it) into the optimizer, and is then
-    # stepped to where the resumed epoch begins.
+    # Made after the optimizer's state is loaded: OneCycleLR writes this run's peak (another
+    # --batch-size scales it) into the optimizer, and is then stepped to where the resumed
+    # epoch begins.
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
         optimizer,
         max_lr=lr,

@@ -15,6 +15,7 @@ from conftest import (
     run_python,
     torchrun,
 )
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import common
 import ddp_train
@@ -113,6 +114,18 @@ def test_resume_on_another_world_size_starts_from_the_checkpoint(stopped_run, tm
 
 # 2000 samples: 62 steps per epoch at global batch 32, 125 at 16.
 MLP_ARGS = [*SYNTHETIC, "--model", "mlp", "--epochs", "2", "--lr", "0.8", "--warmup", "0.3"]
+
+
+def onecycle_rate(peak, total_steps, steps):
+    """The rate after `steps` optimizer steps of MLP_ARGS's schedule with this peak."""
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=peak)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, peak, total_steps, pct_start=0.3, cycle_momentum=False)
+    for _ in range(steps):
+        optimizer.step()
+        scheduler.step()
+    return scheduler.get_last_lr()[0]
+
+
 GLOBAL_32_THEN_16 = {
     "dp_train": (["dp_train.py", "--batch-size", "32"], ["dp_train.py", "--batch-size", "16"]),
     "ddp_mp_spawn": (
@@ -131,12 +144,75 @@ def test_resume_at_another_global_batch_takes_this_runs_rate(tmp_path, script):
     run_python([*first, *MLP_ARGS, "--max-steps", "62", "--output-dir", tmp_path])
     proc = run_python([*second, *MLP_ARGS, "--output-dir", tmp_path])
     assert "resumed from" in proc.stdout and "Warning" not in proc.stderr, proc.stderr
-    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.8 * 16 / 256)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, 0.8 * 16 / 256, total_steps=250, pct_start=0.3, cycle_momentum=False
-    )
-    for _ in range(250):
-        optimizer.step()
-        scheduler.step()
     assert [m["epoch"] for m in read_metrics(tmp_path)] == [0, 1]
-    assert read_metrics(tmp_path)[1]["lr"] == pytest.approx(scheduler.get_last_lr()[0], rel=1e-9)
+    assert read_metrics(tmp_path)[1]["lr"] == pytest.approx(onecycle_rate(0.8 * 16 / 256, 250, 250), rel=1e-9)
+
+
+GLOBAL_32 = {
+    "dp_train": ["dp_train.py", "--batch-size", "32"],
+    "ddp_mp_spawn": ["ddp_mp_spawn.py", "--nprocs", "2", "--batch-size", "16", *DIST_TIMEOUT],
+    "ddp_train": ["ddp_train.py", "--batch-size", "32"],  # one process
+}
+
+
+@pytest.mark.parametrize("script", GLOBAL_32)
+def test_resume_takes_this_runs_optimizer_flags(tmp_path, script):
+    """Stopped after epoch 0, resumed with another --lr, --momentum and --weight-decay: epoch 1
+    runs with the new ones (the optimizer's saved param groups hold the old), its rate on the
+    schedule of the new --lr at the same point."""
+    run_python([*GLOBAL_32[script], *MLP_ARGS, "--max-steps", "62", "--output-dir", tmp_path])
+    new = ["--lr", "0.4", "--momentum", "0.5", "--weight-decay", "0"]
+    run_python([*GLOBAL_32[script], *MLP_ARGS, *new, "--output-dir", tmp_path])
+    [group] = load_ckpt(tmp_path)["optimizer"]["param_groups"]
+    assert (group["momentum"], group["weight_decay"]) == (0.5, 0)
+    assert [m["epoch"] for m in read_metrics(tmp_path)] == [0, 1]
+    assert read_metrics(tmp_path)[1]["lr"] == pytest.approx(onecycle_rate(0.4 * 32 / 256, 124, 124), rel=1e-9)
+
+
+def test_first_step_after_a_resume_at_another_batch_takes_this_runs_rate(no_launcher, tmp_path):
+    """A snapshot inside epoch 0 at batch 64, resumed at batch 32: the epoch starts again, and its
+    very first step runs at step 0 of the batch-32 schedule, not at the rate the saved optimizer
+    held (the schedule is only moved by the steps after it)."""
+    ddp_train.main(list(map(str, [*MLP_ARGS, "--batch-size", "64", "--max-steps", "6", "--output-dir", tmp_path])))
+    assert common.load_checkpoint(tmp_path / "checkpoint.pt")["step"] == 6
+    rates = []
+    hook = register_optimizer_step_pre_hook(lambda optimizer, *_: rates.append(optimizer.param_groups[0]["lr"]))
+    try:
+        ddp_train.main(list(map(str, [*MLP_ARGS, "--batch-size", "32", "--max-steps", "2", "--output-dir", tmp_path])))
+    finally:
+        hook.remove()
+    assert rates == pytest.approx([onecycle_rate(0.8 * 32 / 256, 124, s) for s in (0, 1)], rel=1e-9)
+
+
+def test_checkpoints_of_one_schedule_pass_between_the_scripts(no_launcher, tmp_path):
+    """dp_train.py's checkpoint resumes in ddp_train.py (both one-cycle); a ddp_train.py
+    checkpoint on --schedule cosine is refused by dp_train.py in one line, not continued on
+    one-cycle."""
+    dp, cosine = tmp_path / "dp", tmp_path / "cosine"
+    run_python(["dp_train.py", *MLP_ARGS, "--batch-size", "32", "--max-steps", "62", "--output-dir", dp])
+    ddp_train.main(list(map(str, [*MLP_ARGS, "--batch-size", "32", "--output-dir", dp])))
+    assert [m["epoch"] for m in read_metrics(dp)] == [0, 1]
+    assert load_ckpt(dp)["step"] == 124
+    argv = [*MLP_ARGS, "--batch-size", "32", "--max-steps", "62", "--output-dir", cosine]
+    ddp_train.main(list(map(str, [*argv, "--schedule", "cosine"])))
+    before = (cosine / "checkpoint.pt").read_bytes()
+    proc = run_python(["dp_train.py", *MLP_ARGS, "--batch-size", "32", "--output-dir", cosine], check=False)
+    assert proc.returncode == 1
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .endswith("was trained with --schedule cosine; resume with the same, or start anew in another --output-dir")
+    ), proc.stderr
+    assert (cosine / "checkpoint.pt").read_bytes() == before
+
+
+@pytest.mark.parametrize("change", [["--batch-size", "125"], ["--seed", "1"]], ids=["batch", "seed"])
+def test_mid_epoch_resume_with_another_sample_order_starts_the_epoch_again(no_launcher, tmp_path, capsys, change):
+    """Stopped after 6 of 16 steps at batch 120, resumed at batch 125 (still 16 steps per epoch)
+    or another seed: the epoch's samples come in another order, so skipping "the first 6 steps'
+    samples" would skip others than were trained. The epoch starts again instead."""
+    argv = [*MLP_ARGS, "--batch-size", "120", "--output-dir", tmp_path]
+    ddp_train.main(list(map(str, [*argv, "--max-steps", "6"])))
+    assert common.load_checkpoint(tmp_path / "checkpoint.pt")["epoch_step"] == 6
+    ddp_train.main(list(map(str, [*argv, *change, "--max-steps", "7"])))
+    assert "at epoch 0, step 0 of 16" in capsys.readouterr().out
