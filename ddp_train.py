@@ -469,7 +469,7 @@ def train(args, info):
 
     start_epoch = step // steps_per_epoch
     metrics_path = out / "metrics.jsonl" if out else None
-    if metrics_path:
+    if metrics_path and not (args.max_steps and step >= args.max_steps):  # a rerun with nothing to do keeps them
         trim_metrics(metrics_path, start_epoch)
 
     def snapshot(step):

@@ -216,3 +216,15 @@ def test_mid_epoch_resume_with_another_sample_order_starts_the_epoch_again(no_la
     assert common.load_checkpoint(tmp_path / "checkpoint.pt")["epoch_step"] == 6
     ddp_train.main(list(map(str, [*argv, *change, "--max-steps", "7"])))
     assert "at epoch 0, step 0 of 16" in capsys.readouterr().out
+
+
+def test_rerun_with_nothing_left_to_do_keeps_the_metrics(no_launcher, tmp_path):
+    """--max-steps 20 twice (15 steps per epoch): the second run finds step 20 already done and
+    trains nothing, so the line of the partial epoch 1 stays (only a run that trains it again
+    replaces it)."""
+    argv = list(map(str, [*MLP_ARGS, "--batch-size", "128", "--max-steps", "20", "--output-dir", tmp_path]))
+    ddp_train.main(argv)
+    lines = (tmp_path / "metrics.jsonl").read_text()
+    assert [m["epoch"] for m in read_metrics(tmp_path)] == [0, 1]
+    ddp_train.main(argv)
+    assert (tmp_path / "metrics.jsonl").read_text() == lines
