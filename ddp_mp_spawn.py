@@ -161,11 +161,9 @@ def train(args, info):
     step = 0
     if ckpt:
         load_model_state(model, ckpt["model"], path)  # onto this rank's device
-        # The schedule is a function of these (ddp_train.py's --schedule may be another).
-        ours = dict(epochs=args.epochs, warmup=args.warmup, schedule="onecycle")
-        saved = {"schedule": "onecycle", **ckpt["args"]}
-        changed = [k for k in ours if saved[k] != ours[k]]
-        if changed:  # it cannot go on where it was
+        saved = {"schedule": "onecycle", **ckpt["args"]}  # ddp_train.py's may name another schedule
+        changed = [k for k in ("epochs", "schedule", "warmup") if saved[k] != getattr(args, k, "onecycle")]
+        if changed:  # the schedule is a function of these: it cannot go on where it was
             was = ", ".join(f"--{k} {saved[k]}" for k in changed)
             fail(f"{path} was trained with {was}; resume with the same, or start anew in another --output-dir")
         load_optimizer_state(optimizer, ckpt["optimizer"])  # momentum buffers; this run's flags
