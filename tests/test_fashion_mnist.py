@@ -1,43 +1,60 @@
 """Real data, Fashion-MNIST: ddp_train.py with its default hyper-parameters (2 processes), and
 finetune.py's transfer from classes 0-4 to a few labels of classes 5-9.
 
-The files come from Debian's dataset-fashion-mnist package (found through dpkg, with an
-empty --data-dir) or from the repository's data/ folder. Absent, the test is skipped,
-unless REQUIRE_FASHION_MNIST=1 (set by .ci/run) makes that a failure.
+The files are read from data/FashionMNIST/raw (where .ci/run unpacks them), or unpacked here
+from Debian's dataset-fashion-mnist package. Absent, the tests are skipped, unless
+REQUIRE_FASHION_MNIST=1 (set by .ci/run) makes that a failure.
 """
 
+import gzip
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, clean_env, read_metrics, run_python, torchrun
 
-import common
+pytestmark = pytest.mark.slow
+FILES = [
+    f"{s}-{k}-idx{d}-ubyte" for s in ("train", "t10k") for k, d in (("images", 3), ("labels", 1))
+]
+DEBIAN = Path("/usr/share/datasets/fashion-mnist")
 
 
-def data_dir_for(tmp_path):
-    if common._debian_fashion_mnist_dir() is not None:
-        return tmp_path / "empty"  # exercise the package route: nothing under --data-dir
-    raw = ROOT / "data" / "FashionMNIST" / "raw"
-    if (raw / "train-images-idx3-ubyte").is_file() or (raw / "train-images-idx3-ubyte.gz").is_file():
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A --data-dir holding FashionMNIST/raw/*-ubyte, torchvision's layout."""
+    if all((ROOT / "data" / "FashionMNIST" / "raw" / f).is_file() for f in FILES):
         return ROOT / "data"
-    message = (
-        "Fashion-MNIST not found: apt-get install dataset-fashion-mnist, or put its files in data/FashionMNIST/raw"
-    )
+    if all((DEBIAN / f"{f}.gz").is_file() for f in FILES):
+        root = tmp_path_factory.mktemp("data")
+        (root / "FashionMNIST" / "raw").mkdir(parents=True)
+        for f in FILES:
+            with (
+                gzip.open(DEBIAN / f"{f}.gz") as src,
+                open(root / "FashionMNIST/raw" / f, "wb") as dst,
+            ):
+                shutil.copyfileobj(src, dst)
+        return root
+    message = "Fashion-MNIST not found: apt-get install dataset-fashion-mnist, or see README: Data"
     if os.environ.get("REQUIRE_FASHION_MNIST") == "1":
         pytest.fail(message + " (REQUIRE_FASHION_MNIST=1)")
     pytest.skip(message)
 
 
-def test_defaults_reach_90_percent(tmp_path):
-    data_dir = data_dir_for(tmp_path)
+def test_defaults_reach_90_percent(tmp_path, data_dir):
     out = tmp_path / "out"
-    proc = torchrun(2, ["ddp_train.py", "--device", "cpu", "--data-dir", data_dir, "--output-dir", out], timeout=540)
+    proc = torchrun(
+        2,
+        ["ddp_train.py", "--device", "cpu", "--data-dir", data_dir, "--output-dir", out],
+        timeout=540,
+    )
     metrics = read_metrics(out)
     assert len(metrics) == 5  # the default --epochs
     assert metrics[-1]["test_acc"] >= 0.90, proc.stdout
 
 
-def test_fine_tuning_from_other_classes_beats_training_from_scratch(tmp_path):
+def test_fine_tuning_from_other_classes_beats_training_from_scratch(tmp_path, data_dir):
     # A ResNet-18 learns classes 0-4 (T-shirt, trouser, pullover, dress, coat) from random
     # weights: one epoch over all their 30,000 training images. Then classes 5-9 (sandal,
     # shirt, sneaker, bag, ankle boot) from 50 labelled images each, 20 steps, starting from
@@ -45,21 +62,35 @@ def test_fine_tuning_from_other_classes_beats_training_from_scratch(tmp_path):
     # rate (--trainable-layers 5 --backbone-lr-scale 1), so the start is the only difference.
     # 64 pixels: at 32 a random network's features are about as good as learnt ones for this
     # pair (README.md, "Transfer").
-    data_dir = data_dir_for(tmp_path)
 
     def finetune(*flags, out):
         script = ["finetune.py", "--device", "cpu", "--data-dir", data_dir, "--image-size", "64"]
         # One process: let it use every core (the other tests' runs get one thread each).
-        proc = run_python([*script, *flags, "--output-dir", tmp_path / out], env=clean_env(None), timeout=600)
+        proc = run_python(
+            [*script, *flags, "--output-dir", tmp_path / out], env=clean_env(None), timeout=600
+        )
         return proc, read_metrics(tmp_path / out)[-1]
 
     _, base = finetune("--weights", "none", "--classes", "0-4", "--epochs", "1", out="base")
     assert base["test_acc"] >= 0.85  # it learnt its own classes
-    few = ["--classes", "5-9", "--train-per-class", "50", "--batch-size", "25", "--epochs", "2", "--lr", "0.2"]
+    few = [
+        "--classes",
+        "5-9",
+        "--train-per-class",
+        "50",
+        "--batch-size",
+        "25",
+        "--epochs",
+        "2",
+        "--lr",
+        "0.2",
+    ]
     few += ["--trainable-layers", "5", "--backbone-lr-scale", "1"]
     proc, tuned = finetune(*few, "--weights-file", tmp_path / "base" / "checkpoint.pt", out="tuned")
     # Everything but the 5-class head came from the file (the old head had the same shape).
-    assert "loaded 120 of 122 tensors; random, trained: fc.weight, fc.bias;" in proc.stdout, proc.stdout
+    assert "loaded 120 of 122 tensors; random, trained: fc.weight, fc.bias;" in proc.stdout, (
+        proc.stdout
+    )
     _, scratch = finetune(*few, "--weights", "none", out="scratch")
     assert tuned["step"] == scratch["step"] == 20
     # Over seeds 0-4: 0.898-0.915 fine-tuned against 0.822-0.868 from scratch, each seed's gap
