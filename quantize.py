@@ -1,48 +1,26 @@
 """Int8 quantization of a trained model: size, speed and accuracy against fp32 in one table.
 
-Quantization stores weights as 8-bit integers with a float scale (per output channel here)
-and runs int8 kernels: 4x less memory per weight, and on CPUs with int8 dot-product
-instructions more arithmetic per cycle. Three ways, from least to most effort:
+Int8 stores each weight as an 8-bit integer with a float scale (per output channel here) and
+runs int8 kernels: a quarter of the memory per weight and, on CPUs with int8 dot-product
+instructions, more arithmetic per cycle. Three ways, from least to most effort:
 
-    dynamic int8  Linear weights int8 ahead of time, activations quantized on the fly for each
-                  batch. Needs no data; pays off for Linear-heavy models (MLPs, LSTMs, transformers).
-    static int8   weights and activations int8, with activation ranges measured beforehand on a
-                  few hundred training images (calibration); conv-BN-ReLU fused into one int8 op.
+    dynamic int8  Linear weights int8 ahead of time, activations quantized on the fly per batch.
+                  Needs no data; for Linear-heavy models (MLPs, LSTMs, transformers).
+    static int8   weights and activations int8, activation ranges measured beforehand on a few
+                  training batches (calibration): for CNNs. Best at large batches: per call it
+                  adds fixed costs (quantizing the input) that a single image feels most.
     QAT int8      (--qat-steps N) a short fine-tune with the rounding simulated in the forward
-                  pass, so the weights adapt to it; for when static int8 loses too much accuracy.
+                  pass, so the weights adapt to it: for when static int8 loses too much accuracy.
 
-Run (quantization is post-training work for one CPU process: int8 kernels are CPU-only here):
-    python ddp_train.py --output-dir runs/ddp          # or torchrun ...; any training script's checkpoint
-    python quantize.py --checkpoint runs/ddp/checkpoint.pt          # give the --model it was trained with
+One CPU process (these int8 kernels run on CPUs), after any training script:
+    python ddp_train.py --output-dir runs/ddp                # or torchrun ...
+    python quantize.py --checkpoint runs/ddp/checkpoint.pt  # with the --model it trained
     python quantize.py --checkpoint runs/ddp/checkpoint.pt --qat-steps 200 --threads 1 \\
-        --json runs/q/results.json --output-dir runs/q               # + QAT, results as JSON, int8 model saved
-    python quantize.py                                 # no checkpoint: trains a float model briefly first
+        --json runs/q/results.json --output-dir runs/q     # reload: quantize.load_int8(path)
+    python quantize.py                          # no checkpoint: trains a float model first
 
-The int8 model saved by --output-dir reloads with `quantize.load_int8("runs/q/model_int8.pt")`.
-
-Measured with 1 thread on 2 x86 cores, torch 2.14.1, on the default CNN trained by `torchrun
---standalone --nproc_per_node=2 ddp_train.py --output-dir runs/ddp` (5 epochs), accuracy over
-the whole Fashion-MNIST test set (benchmarks/run_all.py, section d3; 2026-11-22):
-    python quantize.py --checkpoint runs/ddp/checkpoint.pt --qat-steps 200 --threads 1 --runs 200
-
-    method          size       speed at batch 1   speed at batch 256   test accuracy
-    fp32            0.124 MB   0.305 ms/image     12761 images/s       91.9%
-    dynamic int8    0.87x      1.01x              1.00x                -0.07 points
-    static int8     0.32x      0.69x              2.07x                -0.02 points
-    QAT int8        0.32x      0.79x              2.17x                -0.24 points
-
-Static int8 is 3.1x smaller (not 4x: fp32 biases, a scale and zero point per channel and
-the file's per-tensor overhead weigh more in so small a model), 1.8x to 2.3x faster at
-batch 256 (six runs), and within 0.1 points as accurate. At batch 1 it was slower in every run
-(0.65x to 0.73x): a 29k-weight network does so little arithmetic per call that the fixed costs int8 adds
-(quantizing the input, requantizing every output) outweigh what it saves. Dynamic int8 converts
-only the CNN's last layer, so it changes next to nothing here.
-
-This uses torch.ao.quantization (FX graph mode), which ships inside PyTorch. PyTorch 2.14 marks it
-deprecated in favour of torchao (`pip install torchao`), whose PT2E flow is the route going forward:
-torch.export the model, then prepare_pt2e / calibrate / convert_pt2e with X86InductorQuantizer, and
-torch.compile the result. The steps are the same as here; this script silences only the deprecation
-notices so that its output stays readable.
+torch.ao.quantization (FX graph mode, used here) is deprecated in favour of torchao's PT2E flow
+(torch.export, prepare_pt2e, calibrate, convert_pt2e): the same steps.
 """
 
 import copy
@@ -58,7 +36,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.ao.quantization import get_default_qat_qconfig_mapping, get_default_qconfig_mapping, quantize_dynamic
+from torch.ao.quantization import get_default_qat_qconfig_mapping as qat_qconfig
+from torch.ao.quantization import get_default_qconfig_mapping as static_qconfig
+from torch.ao.quantization import quantize_dynamic
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx, prepare_qat_fx
 from torch.utils.data import DataLoader
 from tqdm import tqdm
@@ -69,6 +49,7 @@ from common import (
     ArgumentParser,
     atomic_write,
     build_model,
+    check_flags,
     check_output_dir,
     collate,
     fail,
@@ -79,46 +60,39 @@ from common import (
     seed_everything,
 )
 
-# torch.ao.quantization warns on every call that it is deprecated (see the docstring), so do
-# the quantized tensor types it builds on (also when torch.load rebuilds them, via TypedStorage),
-# and its x86 defaults trip another warning (reduce_range, kept to avoid int16 overflow on CPUs
-# without VNNI). Only these are silenced.
-warnings.filterwarnings("ignore", message="torch.ao.quantization is deprecated", category=DeprecationWarning)
-warnings.filterwarnings("ignore", message="torch.quantize_per_tensor, torch.quantize_per_channel", category=UserWarning)
-warnings.filterwarnings("ignore", message="Please use quant_min and quant_max", category=UserWarning)
-warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
+# torch.ao.quantization warns on every call that it is deprecated, and so do the quantized
+# tensor types (also when torch.load rebuilds them); its x86 defaults warn about reduce_range,
+# kept on purpose (it avoids int16 overflow on CPUs without VNNI). Only these are silenced.
+warnings.filterwarnings("ignore", "torch.ao.quantization is deprecated", DeprecationWarning)
+warnings.filterwarnings("ignore", "torch.quantize_per_tensor, torch.quantize_per_channel")
+warnings.filterwarnings("ignore", "Please use quant_min and quant_max", UserWarning)
+warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
 
 
 def get_args(argv=None):
     p = ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", default=None, help="float checkpoint (ddp_train.py's); none: train one here")
+    arg = p.add_argument
+    arg("--checkpoint", help="a float checkpoint of these scripts; none: train one here")
     # ImageFolder is left out: its images live on disk at their own size (not the MLP's 28x28).
     in_memory = [d for d in DATASETS if d != "imagefolder"]
-    p.add_argument("--data", default="fashion-mnist", choices=in_memory, help="data set")
-    p.add_argument("--data-dir", default="data", help="root holding the data set (torchvision layout)")
-    p.add_argument("--download", action="store_true", help="download the data set if missing")
-    p.add_argument("--model", default="cnn", choices=sorted(MODELS), help="network; must match the checkpoint")
-    p.add_argument("--epochs", type=int, default=2, help="without --checkpoint: epochs of float training")
-    p.add_argument("--lr", type=float, default=0.1, help="without --checkpoint: float training's rate, decaying to 0")
-    p.add_argument("--batch-size", type=int, default=256, help="for training, calibration, evaluation, throughput")
-    p.add_argument("--calib-batches", type=int, default=2, help="training batches that calibrate static int8")
-    p.add_argument("--qat-steps", type=int, default=0, help="quantization-aware fine-tuning steps; 0: no QAT row")
-    p.add_argument("--qat-lr", type=float, default=1e-3, help="QAT fine-tuning rate (small: the weights are trained)")
-    p.add_argument("--runs", type=int, default=50, help="timed calls per model and batch size, after warm-up")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for everything (default: torch's)")
-    p.add_argument("--seed", type=int, default=0, help="seed for training and the choice of calibration images")
-    p.add_argument("--json", default=None, help="also write the results to this JSON file")
-    p.add_argument("--output-dir", default=None, help="where model_int8.pt (static int8) goes; none: save nothing")
+    arg("--data", default="fashion-mnist", choices=in_memory, help="data set")
+    arg("--data-dir", default="data", help="root holding the data set (torchvision layout)")
+    arg("--download", action="store_true", help="download the data set if missing")
+    arg("--model", default="cnn", choices=sorted(MODELS), help="network; as in the checkpoint")
+    arg("--epochs", type=int, default=2, help="without --checkpoint: epochs of float training")
+    arg("--lr", type=float, default=0.1, help="without --checkpoint: peak rate per 256 samples")
+    arg("--batch-size", type=int, default=256, help="training, calibration, evaluation, speed")
+    arg("--calib-batches", type=int, default=2, help="training batches that calibrate static int8")
+    arg("--qat-steps", type=int, default=0, help="quantization-aware fine-tuning steps; 0: no QAT")
+    arg("--qat-lr", type=float, default=1e-3, help="QAT's rate (small: the weights are trained)")
+    arg("--runs", type=int, default=50, help="timed calls per model and batch size, after warm-up")
+    arg("--threads", type=int, help="CPU threads for everything (default: torch's)")
+    arg("--seed", type=int, default=0, help="seed for training and the calibration images")
+    arg("--json", help="also write the results to this JSON file")
+    arg("--output-dir", help="where model_int8.pt (static int8) goes; none: save nothing")
     args = p.parse_args(argv)
-    for name in ("epochs", "batch_size", "calib_batches", "runs"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.threads is not None and args.threads < 1:
-        fail(f"--threads must be at least 1, got {args.threads}")
-    if args.qat_steps < 0:
-        fail(f"--qat-steps cannot be negative, got {args.qat_steps}")
-    if not (args.lr > 0 and args.qat_lr > 0):
-        fail("--lr and --qat-lr must be positive")
+    at_least_1 = ("epochs", "batch_size", "calib_batches", "runs", "threads")
+    check_flags(args, at_least_1, not_negative=("qat_steps",), positive=("lr", "qat_lr"))
     # Found now, not after minutes of work: atomic_write needs the folder to exist.
     if args.json and not Path(args.json).absolute().parent.is_dir():
         fail(f"--json {args.json}: folder {Path(args.json).parent} does not exist")
@@ -129,10 +103,12 @@ def train(model, loader, steps, lr):
     """Plain SGD for `steps` batches with a linearly decaying rate: the float model when no
     checkpoint is given (ddp_train.py is the real recipe), and the QAT fine-tune."""
     model.train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    sgd = dict(lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    optimizer = torch.optim.SGD(model.parameters(), **sgd)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
-    batches = (batch for _ in itertools.count() for batch in loader)  # epochs back to back
-    for images, labels in tqdm(itertools.islice(batches, steps), total=steps, mininterval=1.0, leave=False):
+    # Epochs back to back, `steps` batches in all.
+    batches = itertools.islice((b for _ in itertools.count() for b in loader), steps)
+    for images, labels in tqdm(batches, total=steps, mininterval=1.0, leave=False):
         loss = F.cross_entropy(model(images.contiguous(memory_format=torch.channels_last)), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -143,14 +119,14 @@ def train(model, loader, steps, lr):
 
 def static_int8(model, calib_batches, engine):
     """Post-training static quantization in FX graph mode. prepare_fx traces the model into a
-    graph, fuses conv-bn-relu (BatchNorm folds into the conv's weights) and puts an observer
-    on every activation; the calibration batches run through it to record each activation's
-    range; convert_fx swaps in int8 modules with those scales. Tracing, not module surgery, is
-    why the same call works for the CNN, the MLP and torchvision's ResNet (its residual adds
-    too) without QuantStub/DeQuantStub edits to the model code."""
+    graph, fuses conv-bn-relu (BatchNorm folds into the conv's weights) and puts an observer on
+    every activation; the calibration batches record each activation's range; convert_fx swaps
+    in int8 modules with those scales. Tracing is why the same call works for every model here
+    (a ResNet's residual adds too) without QuantStub/DeQuantStub edits to the model code."""
     # The engine's defaults: int8 weights per output channel (one scale per filter keeps small
     # filters precise), activations calibrated with a histogram that ignores rare outliers.
-    prepared = prepare_fx(copy.deepcopy(model).eval(), get_default_qconfig_mapping(engine), (calib_batches[0],))
+    example = (calib_batches[0],)
+    prepared = prepare_fx(copy.deepcopy(model).eval(), static_qconfig(engine), example)
     with torch.no_grad():
         for images in calib_batches:
             prepared(images)
@@ -161,8 +137,8 @@ def qat_int8(model, loader, steps, lr, engine):
     """Quantization-aware training: the graph gets fake-quantize ops (round to the int8 grid and
     back to float) on weights and activations, so a short fine-tune lets the weights settle
     where rounding costs least; then the same convert_fx as static quantization."""
-    example = next(iter(loader))[0]
-    prepared = prepare_qat_fx(copy.deepcopy(model).train(), get_default_qat_qconfig_mapping(engine), (example,))
+    example = (next(iter(loader))[0],)
+    prepared = prepare_qat_fx(copy.deepcopy(model).train(), qat_qconfig(engine), example)
     return convert_fx(train(prepared, loader, steps, lr))
 
 
@@ -175,7 +151,7 @@ def load_int8(path):
     torch.backends.quantized.engine = ckpt["engine"]
     shape = ckpt["input_shape"]
     model = build_model(ckpt["model_name"], shape[1], ckpt["num_classes"], image_size=shape[-1])
-    qmodel = static_int8(model, [torch.zeros(ckpt["input_shape"])], ckpt["engine"])
+    qmodel = static_int8(model, [torch.zeros(shape)], ckpt["engine"])
     load_model_state(qmodel, ckpt["model"], path)
     return qmodel
 
@@ -190,7 +166,8 @@ def size_mb(model):
 @torch.inference_mode()
 def predictions(model, loader):
     """The argmax of every test image (accuracy, and agreement with fp32, come from these)."""
-    return torch.cat([model(images.contiguous(memory_format=torch.channels_last)).argmax(1) for images, _ in loader])
+    nhwc = torch.channels_last
+    return torch.cat([model(x.contiguous(memory_format=nhwc)).argmax(1) for x, _ in loader])
 
 
 @torch.inference_mode()
@@ -217,7 +194,7 @@ def time_models(models, shapes, runs):
 
 def main(argv=None):
     args = get_args(argv)
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # each process would quantize and write the same files
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # each would quantize and write the same files
         fail("quantize.py runs as one process: start it with python, not torchrun")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -227,27 +204,28 @@ def main(argv=None):
     torch.backends.quantized.engine = engine
     seed_everything(args.seed)
 
-    train_set, test_set, num_classes, in_channels = load_datasets(args.data, args.data_dir, args.download)
-    loader_args = dict(batch_size=args.batch_size, collate_fn=collate)
-    train_loader = DataLoader(
-        train_set, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(args.seed), **loader_args
-    )
-    test_loader = DataLoader(test_set, **loader_args)
-    model = build_model(args.model, in_channels, num_classes, image_size=test_set.images.shape[-1])
+    data = load_datasets(args.data, args.data_dir, args.download)
+    train_set, test_set, num_classes, channels = data
+    kw = dict(batch_size=args.batch_size, collate_fn=collate)
+    shuffle = dict(shuffle=True, generator=torch.Generator().manual_seed(args.seed))
+    train_loader = DataLoader(train_set, drop_last=True, **shuffle, **kw)
+    test_loader = DataLoader(test_set, **kw)
+    model = build_model(args.model, channels, num_classes, image_size=test_set.images.shape[-1])
     if args.checkpoint:
         ckpt = load_checkpoint(args.checkpoint)  # weights_only, onto the CPU
-        trained = ckpt.get("args", {}).get("model")  # ddp_train.py records its flags
+        trained = ckpt.get("args", {}).get("model")  # the training scripts record their flags
         if trained and trained != args.model:
             fail(f"{args.checkpoint} holds a {trained!r} model; pass --model {trained}")
         load_model_state(model, ckpt["model"], args.checkpoint)
-    out = check_output_dir(args.output_dir) if args.output_dir else None  # inputs are good: now write
+    out = check_output_dir(args.output_dir) if args.output_dir else None  # inputs good: write
 
     # channels_last as in ddp_train.py: oneDNN's fastest fp32 convolutions, and the NHWC layout
     # that the int8 convolutions use inside anyway.
     model = model.to(memory_format=torch.channels_last).eval()
-    if not args.checkpoint:  # or pass ddp_train.py's checkpoint
+    if not args.checkpoint:
         print(f"no --checkpoint: training a float {args.model} for {args.epochs} epoch(s) first")
-        model = train(model, train_loader, args.epochs * len(train_loader), args.lr)
+        lr = args.lr * args.batch_size / 256  # the rate scales with the batch, as elsewhere
+        model = train(model, train_loader, args.epochs * len(train_loader), lr)
 
     models = {"fp32": model}
     # Dynamic: only Linear layers have dynamic int8 kernels. A CNN spends its time in the
@@ -263,66 +241,48 @@ def main(argv=None):
     preds = {name: predictions(m, test_loader) for name, m in models.items()}
     big = (args.batch_size, *test_set.images.shape[1:])
     timing = time_models(models, [(1, *big[1:]), big], args.runs)
-
     rows = []
     for name, m in models.items():
-        rows.append(
-            dict(
-                method=name,
-                size_mb=size_mb(m),
-                latency_ms=timing[name, 0] * 1e3,
-                throughput=args.batch_size / timing[name, 1],
-                accuracy=(preds[name] == labels).double().mean().item(),
-                agreement=(preds[name] == preds["fp32"]).double().mean().item(),
-            )
-        )
-    ref = rows[0]
-    for row in rows:  # the ratios against fp32, measured in the same process side by side
-        row["size_ratio"] = row["size_mb"] / ref["size_mb"]
-        row["latency_speedup"] = ref["latency_ms"] / row["latency_ms"]
-        row["throughput_speedup"] = row["throughput"] / ref["throughput"]
-        row["accuracy_delta"] = row["accuracy"] - ref["accuracy"]
-
+        row = dict(method=name, size_mb=size_mb(m), latency_ms=timing[name, 0] * 1e3)
+        row.update(throughput=args.batch_size / timing[name, 1])
+        row.update(accuracy=(preds[name] == labels).double().mean().item())
+        row.update(agreement=(preds[name] == preds["fp32"]).double().mean().item())
+        fp32 = rows[0] if rows else row  # ratios against fp32, measured here side by side
+        row.update(size_ratio=row["size_mb"] / fp32["size_mb"])
+        row.update(latency_speedup=fp32["latency_ms"] / row["latency_ms"])
+        row.update(throughput_speedup=row["throughput"] / fp32["throughput"])
+        row.update(accuracy_delta=row["accuracy"] - fp32["accuracy"])
+        rows.append(row)
     print(
-        f"\n{args.model} on {args.data}, {torch.get_num_threads()} thread(s), engine {engine}, static int8 "
-        f"calibrated on {len(calib) * args.batch_size} training images, accuracy on all {len(labels)} test images\n"
+        f"\n{args.model} on {args.data}, {torch.get_num_threads()} thread(s), engine {engine}, "
+        f"static int8 calibrated on {len(calib) * args.batch_size} training images, accuracy "
+        f"on all {len(labels)} test images\n"
     )
     print(
-        f"| method | size MB | size vs fp32 | batch-1 latency ms | speed-up | batch-{args.batch_size} images/s "
-        "| speed-up | test acc % | vs fp32 (points) | same prediction as fp32 % |"
+        f"| method | size MB | size vs fp32 | batch-1 latency ms | speed-up "
+        f"| batch-{args.batch_size} images/s | speed-up | test acc % | vs fp32 (points) "
+        "| same prediction as fp32 % |"
     )
     print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for r in rows:
         print(
-            f"| {r['method']} | {r['size_mb']:.3f} | {r['size_ratio']:.2f}x | {r['latency_ms']:.3f} "
-            f"| {r['latency_speedup']:.2f}x | {r['throughput']:.0f} | {r['throughput_speedup']:.2f}x "
-            f"| {100 * r['accuracy']:.2f} | {100 * r['accuracy_delta']:+.2f} | {100 * r['agreement']:.2f} |"
+            f"| {r['method']} | {r['size_mb']:.3f} | {r['size_ratio']:.2f}x "
+            f"| {r['latency_ms']:.3f} | {r['latency_speedup']:.2f}x | {r['throughput']:.0f} "
+            f"| {r['throughput_speedup']:.2f}x | {100 * r['accuracy']:.2f} "
+            f"| {100 * r['accuracy_delta']:+.2f} | {100 * r['agreement']:.2f} |"
         )
 
     if args.json:
-        report = dict(
-            model=args.model,
-            data=args.data,
-            checkpoint=args.checkpoint,
-            threads=torch.get_num_threads(),
-            engine=engine,
-            batch_size=args.batch_size,
-            calib_images=len(calib) * args.batch_size,
-            test_images=len(labels),
-            torch=torch.__version__,
-            results=rows,
-        )
+        report = dict(model=args.model, data=args.data, checkpoint=args.checkpoint)
+        report.update(threads=torch.get_num_threads(), engine=engine, batch_size=args.batch_size)
+        report.update(calib_images=len(calib) * args.batch_size, test_images=len(labels))
+        report.update(torch=torch.__version__, results=rows)
         atomic_write(args.json, lambda tmp: tmp.write_text(json.dumps(report, indent=2) + "\n"))
     if out:
         # The state_dict of the converted graph, plus what rebuilding that graph needs (see
         # load_int8). Plain tensors and strings: it loads with weights_only=True.
-        state = dict(
-            model=models["static int8"].state_dict(),
-            model_name=args.model,
-            num_classes=num_classes,
-            input_shape=[1, *big[1:]],
-            engine=engine,
-        )
+        state = dict(model=models["static int8"].state_dict(), model_name=args.model)
+        state.update(num_classes=num_classes, input_shape=[1, *big[1:]], engine=engine)
         save_checkpoint(state, out / "model_int8.pt")
         print(f"\nsaved {out / 'model_int8.pt'} (static int8; reload with quantize.load_int8)")
 

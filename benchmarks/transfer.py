@@ -1,11 +1,11 @@
-"""Does transfer pay? finetune.py from its own run on Fashion-MNIST's classes 0-4, against scratch.
+"""Does transfer pay? finetune.py from its own run on Fashion-MNIST's classes 0-4, vs scratch.
 
 A ResNet-18 learns classes 0-4 from random weights (one epoch over all their training images),
 then classes 5-9 from a few labels each, starting from those weights or from random ones, with
 the same flags and the same number of steps. One process on CPU, every run one after another
 in this one invocation.
 
-    python benchmarks/transfer.py                     # 64 pixels, 5 seeds: about 8 minutes on 2 cores
+    python benchmarks/transfer.py                     # 64 pixels, 5 seeds: 11 runs in a row
     python benchmarks/transfer.py --image-size 32     # less to gain (see README.md, Transfer)
 
 The seed picks the labelled images, the new head and the order of the batches. Prints a
@@ -28,43 +28,48 @@ ROOT = Path(__file__).resolve().parent.parent
 def finetune(flags, out):
     """Run finetune.py; return its last metrics record with the training seconds (the sum of
     its epochs') and the whole command's wall seconds."""
-    cmd = [sys.executable, "finetune.py", "--device", "cpu", *map(str, flags), "--output-dir", str(out)]
+    cmd = [sys.executable, "finetune.py", "--device", "cpu", *map(str, flags)]
+    cmd += ["--output-dir", str(out)]
     print("$", " ".join(cmd[1:]), flush=True)
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True)
-    if proc.returncode != 0:  # finetune.py's last line says why (progress bars fill the rest of stderr)
-        last = [line for line in proc.stderr.replace("\r", "\n").splitlines() if line.strip()] or ["no output"]
+    if proc.returncode != 0:  # the last line says why (progress bars fill the rest of stderr)
+        lines = proc.stderr.replace("\r", "\n").splitlines()
+        last = [line for line in lines if line.strip()] or ["no output"]
         sys.exit(f"finetune.py failed (exit {proc.returncode}): {last[-1]}")
     wall = time.perf_counter() - start
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return records[-1] | dict(train_seconds=sum(r["epoch_seconds"] for r in records), wall_seconds=wall)
+    train_seconds = sum(r["epoch_seconds"] for r in records)
+    return records[-1] | dict(train_seconds=train_seconds, wall_seconds=wall)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--image-size", type=int, default=64)
+    p.add_argument("--image-size", type=int, default=64, help="finetune.py --image-size")
     p.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 for the few-label runs")
     p.add_argument("--per-class", type=int, default=50, help="labelled images per class of 5-9")
     p.add_argument("--epochs", type=int, default=2, help="epochs of the few-label runs")
     p.add_argument("--batch-size", type=int, default=25, help="batch of the few-label runs")
-    p.add_argument("--lr", type=float, default=0.2, help="finetune.py --lr of the few-label runs, both of them")
+    p.add_argument("--lr", type=float, default=0.2, help="finetune.py --lr of the few-label runs")
     p.add_argument("--data-dir", default="data", help="where Fashion-MNIST is (as for finetune.py)")
-    p.add_argument("--download", action="store_true", help="download Fashion-MNIST there if missing")
+    p.add_argument("--download", action="store_true", help="download Fashion-MNIST if missing")
     args = p.parse_args()
     # Checked here, not by the few-label runs: those start only after the minutes of the base run.
     if min(args.seeds, args.per_class, args.epochs, args.batch_size) < 1 or not args.lr > 0:
         p.error("--seeds, --per-class, --epochs, --batch-size and --lr must be positive")
     if args.per_class > 6000 or args.batch_size > 5 * args.per_class:
-        p.error("Fashion-MNIST has 6000 training images per class, and --batch-size must fit in 5 x --per-class")
+        p.error("--per-class: at most 6000 (Fashion-MNIST); --batch-size: at most 5 x --per-class")
 
     work = ROOT / "benchmarks" / "runs" / "transfer"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     size = ["--image-size", args.image_size, "--data-dir", args.data_dir]
     download = ["--download"] if args.download else []
-    base = finetune([*size, *download, "--weights", "none", "--classes", "0-4", "--epochs", 1], work / "base")
-    few = [*size, "--classes", "5-9", "--train-per-class", args.per_class, "--batch-size", args.batch_size]
-    few += ["--lr", args.lr, "--epochs", args.epochs, "--trainable-layers", 5, "--backbone-lr-scale", 1]
+    base_flags = [*size, *download, "--weights", "none", "--classes", "0-4", "--epochs", 1]
+    base = finetune(base_flags, work / "base")
+    few = [*size, "--classes", "5-9", "--train-per-class", args.per_class]
+    few += ["--batch-size", args.batch_size, "--lr", args.lr, "--epochs", args.epochs]
+    few += ["--trainable-layers", 5, "--backbone-lr-scale", 1]
     rows, start = [], work / "base" / "checkpoint.pt"
     for seed in range(args.seeds):
         tuned = finetune([*few, "--seed", seed, "--weights-file", start], work / f"tuned{seed}")
@@ -75,17 +80,19 @@ def main():
         f"\nbase: classes 0-4, {base['step']} steps, test accuracy {base['test_acc']:.3f}, "
         f"{base['train_seconds']:.0f} s training\n"
     )
-    print("| seed | steps | fine-tuned | from scratch | difference | seconds (fine-tuned, scratch) |")
+    print("| seed | steps | fine-tuned | from scratch | difference | seconds (tuned, scratch) |")
     print("|---|---|---|---|---|---|")
     for seed, tuned, scratch in rows:
         gap = tuned["test_acc"] - scratch["test_acc"]
         print(
-            f"| {seed} | {tuned['step']} | {tuned['test_acc']:.3f} | {scratch['test_acc']:.3f} | {gap:+.3f} "
+            f"| {seed} | {tuned['step']} | {tuned['test_acc']:.3f} | {scratch['test_acc']:.3f} "
+            f"| {gap:+.3f} "
             f"| {tuned['train_seconds']:.1f}, {scratch['train_seconds']:.1f} |"
         )
     gaps = [t["test_acc"] - s["test_acc"] for _, t, s in rows]
     means = [statistics.mean(r[i]["test_acc"] for r in rows) for i in (1, 2)]
-    print(f"| mean | | {means[0]:.3f} | {means[1]:.3f} | {statistics.mean(gaps):+.3f} (smallest {min(gaps):+.3f}) | |")
+    gap = f"{statistics.mean(gaps):+.3f} (smallest {min(gaps):+.3f})"
+    print(f"| mean | | {means[0]:.3f} | {means[1]:.3f} | {gap} | |")
 
 
 if __name__ == "__main__":

@@ -2,15 +2,31 @@
 in, the head and the unfrozen stages train, 2 processes equal 1, weights load by name and
 shape (from another class count, a ddp_train.py ResNet-18, through wrapper prefixes) and
 another network is refused, and bad weights files or flags end in one line. The "pretrained"
-weights are a seeded random ResNet-18 saved here, or runs made here: nothing is downloaded.
-Transfer against training from scratch, on real data, is in test_fashion_mnist.py."""
+weights are a seeded random ResNet-18 saved here, or runs made here: nothing is downloaded
+(a stand-in shows that the ranks of a node download one after another). Transfer against
+training from scratch, on real data, is in test_fashion_mnist.py."""
 
+import os
 import random
+import time
 
 import pytest
 import torch
 import torchvision
-from conftest import DIST_TIMEOUT, METRIC_KEYS, SYNTHETIC, load_ckpt, max_abs_diff, read_metrics, run_python, torchrun
+from conftest import (
+    DIST_TIMEOUT,
+    METRIC_KEYS,
+    SYNTHETIC,
+    assert_state_close,
+    clean_env,
+    free_port,
+    load_ckpt,
+    max_abs_diff,
+    read_metrics,
+    run_python,
+    run_ranks,
+    torchrun,
+)
 
 import common
 import finetune
@@ -19,6 +35,8 @@ ATOL = 1e-5
 # Tiny images and a high rate: a few steps move the head far more than the parity tolerance.
 FAST = [*SYNTHETIC, "--image-size", "32", "--max-steps", "4", "--lr", "4", *DIST_TIMEOUT]
 JUNK = random.Random(0).randbytes(4096)
+# What finetune.py prints after loading a resnet18 backbone into a resnet18 with a new head.
+LOADED = "loaded 120 of 122 tensors; random, trained: fc.weight, fc.bias;"
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +52,8 @@ def pretrained(tmp_path_factory):
 def probe(tmp_path_factory, pretrained):
     """A linear probe (head only), one process, batch 32: also the reference for parity."""
     out = tmp_path_factory.mktemp("probe")
-    run_python(
-        ["finetune.py", *FAST, "--weights-file", pretrained, "--trainable-layers", "0", "--batch-size", "32"]
-        + ["--output-dir", out]
-    )
+    argv = ["--weights-file", pretrained, "--trainable-layers", "0", "--batch-size", "32"]
+    run_python(["finetune.py", *FAST, *argv, "--output-dir", out])
     return out
 
 
@@ -78,36 +94,32 @@ def test_linear_probe_trains_the_head_only(probe, pretrained):
 
 
 def test_partial_finetune_trains_layer4_and_keeps_frozen_statistics(tmp_path, pretrained):
-    run_python(
-        ["finetune.py", *FAST, "--weights-file", pretrained, "--trainable-layers", "1", "--batch-size", "32"]
-        + ["--output-dir", tmp_path]
-    )
+    argv = ["--weights-file", pretrained, "--trainable-layers", "1", "--batch-size", "32"]
+    run_python(["finetune.py", *FAST, *argv, "--output-dir", tmp_path])
     before, after = check_frozen_and_trained(tmp_path, pretrained, ("fc.", "layer4."))
     # layer4's BatchNorm is trainable and in train mode: it counted the 4 batches.
-    assert after["layer4.0.bn1.num_batches_tracked"] == before["layer4.0.bn1.num_batches_tracked"] + 4
+    counted = "layer4.0.bn1.num_batches_tracked"
+    assert after[counted] == before[counted] + 4
     groups = load_ckpt(tmp_path)["optimizer"]["param_groups"]
-    assert groups[1]["initial_lr"] == pytest.approx(0.1 * groups[0]["initial_lr"])  # --backbone-lr-scale
+    backbone_lr_scale = groups[1]["initial_lr"] / groups[0]["initial_lr"]
+    assert backbone_lr_scale == pytest.approx(0.1)  # the default
 
 
 def test_torchrun_matches_single_process(tmp_path, probe, pretrained):
     # Head only: every BatchNorm is frozen (eval mode), so each sample's features do not
     # depend on the rest of its batch, and 2 x 16 equals 1 x 32 up to float rounding.
-    torchrun(
-        2,
-        ["finetune.py", *FAST, "--weights-file", pretrained, "--trainable-layers", "0", "--batch-size", "16"]
-        + ["--output-dir", tmp_path],
-    )
+    argv = ["--weights-file", pretrained, "--trainable-layers", "0", "--batch-size", "16"]
+    torchrun(2, ["finetune.py", *FAST, *argv, "--output-dir", tmp_path])
     reference, ckpt = load_ckpt(probe), load_ckpt(tmp_path)
     assert ckpt["world_size"] == 2
     # The test can fail: the head moved far from its initial value, the same for both runs
     # (same seed), so half the rate or one rank's gradients alone would show.
     common.seed_everything(0)  # what finetune.py does before it builds the model
-    start, _ = finetune.build_model(finetune.get_args(["--weights", "none"]), num_classes=10, is_main=True)
+    start, _ = finetune.build_model(finetune.get_args(["--weights", "none"]), num_classes=10)
     initial = start.fc.state_dict()
     moved = {k.removeprefix("fc."): v for k, v in reference["model"].items() if k.startswith("fc.")}
     assert max_abs_diff(moved, initial) > 1000 * ATOL
-    for key, value in reference["model"].items():
-        torch.testing.assert_close(ckpt["model"][key], value, atol=ATOL, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
+    assert_state_close(ckpt["model"], reference["model"], atol=ATOL)
     [two], [one] = read_metrics(tmp_path), read_metrics(probe)
     assert two["world_size"] == 2 and two["test_loss"] == pytest.approx(one["test_loss"], abs=1e-4)
 
@@ -125,13 +137,13 @@ def test_weights_load_by_name_and_shape(no_launcher, capsys, tmp_path, pretraine
     torch.save(prefixed(prefixed(before, "_orig_mod."), "module."), wrapped)
     for path in (pretrained, probe / "checkpoint.pt", wrapped):
         args = finetune.get_args(["--weights-file", str(path)])
-        model, new = finetune.build_model(args, num_classes=5, is_main=True)
+        model, new = finetune.build_model(args, num_classes=5)
         assert model.fc.out_features == 5 and new == {"fc.weight", "fc.bias"}
         for key, value in model.state_dict().items():
             if not key.startswith("fc."):
                 assert torch.equal(value, before[key]), key
         [summary] = capsys.readouterr().out.splitlines()
-        assert f"{path}: loaded 120 of 122 tensors; random, trained: fc.weight, fc.bias;" in summary, summary
+        assert summary.startswith(f"{path}: {LOADED}"), summary
 
 
 def test_deeper_network_loads_what_fits(no_launcher, capsys, tmp_path):
@@ -139,8 +151,10 @@ def test_deeper_network_loads_what_fits(no_launcher, capsys, tmp_path):
     torch.manual_seed(0)
     state = torchvision.models.resnet34(weights=None).state_dict()
     torch.save(state, tmp_path / "resnet34.pt")
-    model, new = finetune.build_model(finetune.get_args(["--weights-file", str(tmp_path / "resnet34.pt")]), 3, True)
-    assert new == {"fc.weight", "fc.bias"} and torch.equal(model.layer4[1].conv2.weight, state["layer4.1.conv2.weight"])
+    args = finetune.get_args(["--weights-file", str(tmp_path / "resnet34.pt")])
+    model, new = finetune.build_model(args, 3)
+    assert new == {"fc.weight", "fc.bias"}
+    assert torch.equal(model.layer4[1].conv2.weight, state["layer4.1.conv2.weight"])
     assert "loaded 120 of 122 tensors" in capsys.readouterr().out
 
 
@@ -155,13 +169,14 @@ def test_fine_tunes_from_one_data_set_to_another(tmp_path, probe):
             (tmp_path / "images" / split / f"c{c}").mkdir(parents=True)
             for i in range(8):
                 color = (80 * c, 10 * i, 255 - 80 * c)
-                Image.new("RGB", (32, 32), color).save(tmp_path / "images" / split / f"c{c}" / f"{i}.png")
+                Image.new("RGB", (32, 32), color).save(
+                    tmp_path / "images" / split / f"c{c}/{i}.png"
+                )
     source = probe / "checkpoint.pt"
-    proc = run_python(
-        ["finetune.py", "--data", "imagefolder", "--data-dir", tmp_path / "images", "--device", "cpu"]
-        + ["--image-size", "32", "--batch-size", "8", "--weights-file", source, "--output-dir", tmp_path / "out"]
-    )
-    assert f"{source}: loaded 120 of 122 tensors; random, trained: fc.weight, fc.bias;" in proc.stdout, proc.stdout
+    argv = ["--data", "imagefolder", "--data-dir", tmp_path / "images", "--device", "cpu"]
+    argv += ["--image-size", "32", "--batch-size", "8", "--weights-file", source]
+    proc = run_python(["finetune.py", *argv, "--output-dir", tmp_path / "out"])
+    assert f"{source}: {LOADED}" in proc.stdout, proc.stdout
     before, after = load_ckpt(probe)["model"], load_ckpt(tmp_path / "out")["model"]
     assert before["fc.weight"].shape == (10, 512) and after["fc.weight"].shape == (3, 512)
     for key, value in after.items():
@@ -183,14 +198,12 @@ def ddp_resnet18(tmp_path_factory):
 def test_ddp_train_resnet18_fine_tunes_on_other_classes(tmp_path, ddp_resnet18):
     # Its stem (3x3 on 1 channel, against 7x7 on 3) and its 10-class head are skipped and
     # reported; everything else loads. 5 classes here: another class count, by name.
-    proc = run_python(
-        ["finetune.py", *FAST, "--weights-file", ddp_resnet18, "--classes", "0-4", "--batch-size", "32"]
-        + ["--output-dir", tmp_path]
-    )
+    argv = ["--weights-file", ddp_resnet18, "--classes", "0-4", "--batch-size", "32"]
+    proc = run_python(["finetune.py", *FAST, *argv, "--output-dir", tmp_path])
+    loaded = "loaded 119 of 122 tensors; random, trained: conv1.weight ((64, 1, 3, 3) in the file)"
     assert (
-        f"{ddp_resnet18}: loaded 119 of 122 tensors; random, trained: conv1.weight ((64, 1, 3, 3) in the file), "
-        "fc.weight, fc.bias; 0 tensors of the file unused" in proc.stdout
-    ), proc.stdout
+        f"{ddp_resnet18}: {loaded}, fc.weight, fc.bias; 0 tensors of the file unused" in proc.stdout
+    )
     source, after = load_ckpt(ddp_resnet18)["model"], load_ckpt(tmp_path)["model"]
     assert after["conv1.weight"].shape == (64, 3, 7, 7) and after["fc.weight"].shape == (5, 512)
     # --trainable-layers 1 (the default): the stem's BatchNorm and layer1-3 were loaded and
@@ -201,18 +214,16 @@ def test_ddp_train_resnet18_fine_tunes_on_other_classes(tmp_path, ddp_resnet18):
     assert not torch.equal(after["layer4.1.conv2.weight"], source["layer4.1.conv2.weight"])
     # The random stem trains, at the head's rate: [conv1.weight, fc.weight, fc.bias], then layer4.
     groups = load_ckpt(tmp_path)["optimizer"]["param_groups"]
-    assert [len(g["params"]) for g in groups] == [3, 15]  # layer4: 2 blocks of 6, and the downsample 3
+    assert [len(g["params"]) for g in groups] == [3, 15]  # layer4: 2 blocks of 6, downsample 3
 
 
 def test_select_classes_and_labels_per_class():
     dataset, _, _, _ = common.load_datasets("synthetic", "unused")
     labels = dataset.labels
     picked = finetune.select(dataset, [2, 7], 4, seed=0)
-    assert picked.labels.tolist().count(0) == picked.labels.tolist().count(1) == 4 and picked.classes == [
-        "class2",
-        "class7",
-    ]
-    # Each picked image is one of its class (relabelled 2 -> 0, 7 -> 1); a seed picks the same ones again.
+    assert picked.labels.bincount().tolist() == [4, 4] and picked.classes == ["class2", "class7"]
+    # Each picked image is one of its class (relabelled 2 -> 0, 7 -> 1); a seed picks the same
+    # ones again.
     for image, label in zip(picked.images, picked.labels, strict=True):
         [index] = [i for i in range(len(dataset)) if torch.equal(dataset.images[i], image)]
         assert dataset.labels[index] == [2, 7][label]
@@ -230,7 +241,8 @@ def fails(argv):
     with pytest.raises(SystemExit) as excinfo:
         finetune.main(argv)
     message = excinfo.value.code
-    assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message, message
+    assert isinstance(message, str) and message.startswith("error: "), message
+    assert "\n" not in message, message
     return message
 
 
@@ -250,17 +262,17 @@ def small_cnn_file(path):  # what ddp_train.py --model cnn saves
         (lambda p: p.write_bytes(b""), "cannot read"),
         (lambda p: torch.save([1, 2, 3], p), "no state_dict"),
         (lambda p: torch.save({"model": {}, "obj": torch.nn.Identity()}, p), "unsafe"),
-        # Another network, in one line that says what the file seems to hold.
+        # Another network, in one line that says what the file holds.
         (
             resnet50_file,
-            "only 9 of its 21 weight tensors match by name and shape; it seems to hold a torchvision resnet50",
+            "only 9 of its 21 weight tensors match by name and shape (the file holds 320",
         ),
         (
             small_cnn_file,
-            "only 0 of its 21 weight tensors match by name and shape; it seems to hold 20 tensors named features.0",
+            "only 0 of its 21 weight tensors match by name and shape (the file holds 20",
         ),
     ],
-    ids=["missing", "random-bytes", "empty", "not-a-dict", "unsafe-pickle", "resnet50", "small-cnn"],
+    ids=["missing", "junk", "empty", "not-a-dict", "unsafe-pickle", "resnet50", "small-cnn"],
 )
 def test_bad_weights_file(no_launcher, tmp_path, make, words):
     path = tmp_path / "weights.pt"
@@ -283,9 +295,9 @@ def test_bad_weights_file(no_launcher, tmp_path, make, words):
         (["--classes=-1,2"], "numbers and ranges"),
         (["--classes", "0-4-6"], "numbers and ranges"),
         (["--classes", "a"], "numbers and ranges"),
-        (["--classes", "8-10"], "--classes 10 does not exist: synthetic has classes 0-9"),
+        (["--classes", "8-10"], "class 10 has 0 images"),
         (["--train-per-class", "-1"], "--train-per-class"),
-        (["--train-per-class", "1000"], "--train-per-class 1000: class 0 has only"),
+        (["--train-per-class", "1000"], "(--classes, --train-per-class 1000)"),
         (["--weights", "IMAGENET9K"], "IMAGENET1K_V1"),  # the choices are named
         (["--image-size", "16"], "--image-size"),
         (["--backbone-lr-scale", "0"], "--backbone-lr-scale"),
@@ -303,16 +315,88 @@ def test_failed_download_names_the_offline_routes(no_launcher, monkeypatch, tmp_
 
     monkeypatch.setattr(torchvision.models.ResNet18_Weights, "get_state_dict", no_network)
     message = fails([*FAST, "--output-dir", str(tmp_path / "out")])
-    assert "could not download" in message and "--weights-file" in message and "--weights none" in message
+    assert all(
+        words in message for words in ("could not download", "--weights-file", "--weights none")
+    )
     assert not (tmp_path / "out").exists()
 
 
 def test_one_line_error_from_a_real_process(tmp_path):
     (tmp_path / "bad.pt").write_bytes(JUNK)
     out = tmp_path / "out"
-    proc = run_python(["finetune.py", *FAST, "--weights-file", tmp_path / "bad.pt", "--output-dir", out], check=False)
+    argv = ["finetune.py", *FAST, "--weights-file", tmp_path / "bad.pt", "--output-dir", out]
+    proc = run_python(argv, check=False)
     assert proc.returncode == 1, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr
     assert sum(line.startswith("error:") for line in lines) == 1 and proc.stdout == ""
     assert not out.exists()
+
+
+def test_unwritable_output_dir_stops_every_rank_with_the_cause(tmp_path):
+    """Rank 0 alone checks --output-dir; the other rank must stop with rank 0's error at once,
+    not with "a peer died", and long before --dist-timeout."""
+    (tmp_path / "file").write_text("a regular file: nothing can be created under it")
+    port, argv = free_port(), ["finetune.py", *SYNTHETIC, "--weights", "none"]
+    argv += ["--image-size", "32", "--max-steps", "1", "--dist-timeout", "120"]
+    argv += ["--output-dir", tmp_path / "file" / "out"]
+    envs = [
+        clean_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2")
+        | dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        for r in range(2)
+    ]
+    start = time.monotonic()
+    procs = run_ranks(argv, envs, timeout=150, check=False)
+    assert time.monotonic() - start < 60  # well below --dist-timeout 120
+    errors = []
+    for p in procs:
+        assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+        errors.append([line for line in p.stderr.splitlines() if line.strip()][-1])
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith(f"error: output directory {tmp_path / 'file' / 'out'} is not")
+
+
+def _fetch_rank(rank, world, nodes, port, tmp):
+    """One rank of a gloo group of 3 on 2 "nodes" (ranks 0, 1 | 2), each node with its own
+    hub cache folder, that builds the model with --weights DEFAULT. torchvision's download is
+    replaced by a slow stand-in that logs when it starts and ends and whether the file was
+    already in this node's cache."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cached = tmp / f"node{nodes[rank]}" / "resnet18.pth"
+
+    def fake_get_state_dict(self, progress=True, check_hash=False):
+        download = not cached.exists()
+        with open(tmp / "log", "a") as f:
+            f.write(f"{rank} {int(download)} start {time.time()}\n")
+        if download:
+            time.sleep(0.5)
+            cached.parent.mkdir(exist_ok=True)
+            cached.write_bytes(b"weights")
+        with open(tmp / "log", "a") as f:
+            f.write(f"{rank} {int(download)} end {time.time()}\n")
+        return torchvision.models.resnet18().state_dict()
+
+    torchvision.models.ResNet18_Weights.get_state_dict = fake_get_state_dict
+    local_rank = nodes[: rank + 1].count(nodes[rank]) - 1
+    try:
+        finetune.build_model(finetune.get_args(["--weights", "DEFAULT"]), 10, local_rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_weights_download_once_per_node_while_the_others_wait(tmp_path):
+    """Processes downloading into one cache at once could spoil the file. Global rank 0
+    downloads first, then the first process of the other node; rank 1 (node 0's second
+    process) only reads the cache, after rank 0's download ended."""
+    torch.multiprocessing.spawn(_fetch_rank, args=(3, [0, 0, 1], free_port(), tmp_path), nprocs=3)
+    events = {}
+    for line in (tmp_path / "log").read_text().splitlines():
+        rank, download, what, when = line.split()
+        assert (int(rank), what) not in events  # each rank fetches once
+        events[(int(rank), what)] = (int(download), float(when))
+    assert {r for (r, _), (d, _) in events.items() if d} == {0, 2}  # the downloaders
+    assert events[(0, "end")][1] <= events[(2, "start")][1]  # one after the other
+    assert events[(1, "start")][0] == 0 and events[(0, "end")][1] <= events[(1, "start")][1]

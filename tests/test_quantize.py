@@ -35,7 +35,8 @@ def quantized(tmp_path_factory):
     run_python(["ddp_train.py", *CNN_ARGS, "--output-dir", train_dir])
     out = tmp_path_factory.mktemp("int8")
     ckpt = train_dir / "checkpoint.pt"
-    argv = [*QUICK, "--checkpoint", ckpt, "--qat-steps", "10", "--json", out / "q.json", "--output-dir", out]
+    argv = [*QUICK, "--checkpoint", ckpt, "--qat-steps", "10", "--json", out / "q.json"]
+    argv += ["--output-dir", out]
     proc = run_python(["quantize.py", *argv])
     return train_dir, out, json.loads((out / "q.json").read_text()), proc
 
@@ -67,7 +68,8 @@ def test_table_on_stdout(quantized):
 
 def test_static_int8_is_smaller(quantized):
     r = rows(quantized[2])
-    assert r["static int8"]["size_ratio"] < 0.4  # int8 weights: 1/4, plus scales and graph constants
+    # int8 weights: a quarter of the bytes, plus scales and graph constants.
+    assert r["static int8"]["size_ratio"] < 0.4
     assert r["QAT int8"]["size_ratio"] < 0.4
     # Dynamic int8 converts Linear layers only: the CNN's convolutions stay fp32.
     assert r["static int8"]["size_ratio"] < r["dynamic int8"]["size_ratio"] < 1.0
@@ -104,7 +106,8 @@ def test_static_int8_for_every_model(name):
     images = torch.randn(4, 1, 28, 28)
     qmodel = quantize.static_int8(model, [images], "x86")
     kinds = {type(m).__module__ for m in qmodel.modules()}
-    assert any(k.startswith("torch.ao.nn.quantized") for k in kinds), kinds  # int8 modules swapped in
+    swapped_in = any(k.startswith("torch.ao.nn.quantized") for k in kinds)  # int8 modules
+    assert swapped_in, kinds
     with torch.no_grad():
         expected, actual = model(images), qmodel(images)
     assert torch.nn.functional.cosine_similarity(actual.flatten(), expected.flatten(), dim=0) > 0.98
@@ -113,7 +116,8 @@ def test_static_int8_for_every_model(name):
 def test_without_checkpoint_trains_first(tmp_path):
     # In this process (no second torch import): the MLP, where dynamic int8 converts nearly all.
     json_path = tmp_path / "q.json"
-    quantize.main([*QUICK, "--model", "mlp", "--epochs", "2", "--runs", "1", "--json", str(json_path)])
+    argv = [*QUICK, "--model", "mlp", "--epochs", "2", "--runs", "1", "--json", str(json_path)]
+    quantize.main(argv)
     r = rows(json.loads(json_path.read_text()))
     assert r["fp32"]["accuracy"] > 0.8
     assert r["dynamic int8"]["size_ratio"] < 0.4 and r["static int8"]["size_ratio"] < 0.4
@@ -129,7 +133,8 @@ def fails(argv):
     with pytest.raises(SystemExit) as excinfo:
         quantize.main(list(map(str, argv)))
     message = excinfo.value.code
-    assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message, message
+    assert isinstance(message, str) and message.startswith("error: "), message
+    assert "\n" not in message, message
     return message
 
 
@@ -143,8 +148,9 @@ def checkpoint(path, model="cnn", **extra):
     [
         (lambda p: None, [], "does not exist"),
         (lambda p: p.write_bytes(JUNK), [], "cannot read checkpoint"),
-        (lambda p: checkpoint(p, "mlp"), [], "does not fit"),  # no record of its model: the weights differ
-        (lambda p: checkpoint(p, "mlp", args=dict(model="mlp")), [], "--model mlp"),  # ddp_train.py's record
+        # No record of its model: the weights differ; then with ddp_train.py's record.
+        (lambda p: checkpoint(p, "mlp"), [], "does not fit"),
+        (lambda p: checkpoint(p, "mlp", args=dict(model="mlp")), [], "--model mlp"),
         (lambda p: checkpoint(p), ["--calib-batches", "0"], "--calib-batches"),
         (lambda p: checkpoint(p), ["--calib-batches", "-2"], "--calib-batches"),
         (lambda p: checkpoint(p), ["--runs", "0"], "--runs"),
@@ -161,7 +167,8 @@ def test_bad_input(tmp_path, make, flags, words):
     ckpt = tmp_path / "float.pt"
     make(ckpt)
     out, json_path = tmp_path / "out", tmp_path / "q.json"
-    message = fails([*QUICK, "--checkpoint", ckpt, *flags, "--json", json_path, "--output-dir", out])
+    argv = [*QUICK, "--checkpoint", ckpt, *flags, "--json", json_path, "--output-dir", out]
+    message = fails(argv)
     assert words in message
     assert not out.exists() and not json_path.exists()
 
@@ -175,7 +182,8 @@ def test_one_line_error_from_a_real_process(tmp_path):
     argv = [*QUICK, "--checkpoint", tmp_path / "bad.pt", "--output-dir", tmp_path / "out"]
     proc = run_python(["quantize.py", *argv], check=False)
     assert proc.returncode == 1 and proc.stdout == ""
-    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("error: ")
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert proc.stderr.startswith("error: ")
     assert not (tmp_path / "out").exists()
 
 
@@ -190,9 +198,12 @@ def test_speedups_are_the_measured_ratios(quantized):
     """The speed columns are computed from the measured times, against fp32 (the figures
     themselves are benchmarks' business: timing varies on a shared machine)."""
     r = rows(quantized[2])
-    for method in METHODS:
-        assert r[method]["latency_speedup"] == pytest.approx(r["fp32"]["latency_ms"] / r[method]["latency_ms"])
-        assert r[method]["throughput_speedup"] == pytest.approx(r[method]["throughput"] / r["fp32"]["throughput"])
+    for m in METHODS:
+        assert r[m]["latency_speedup"] == pytest.approx(
+            r["fp32"]["latency_ms"] / r[m]["latency_ms"]
+        )
+        speedup = r[m]["throughput"] / r["fp32"]["throughput"]
+        assert r[m]["throughput_speedup"] == pytest.approx(speedup)
 
 
 def test_timer_measures_each_model_by_itself():
@@ -211,7 +222,8 @@ def test_timer_measures_each_model_by_itself():
             time.sleep(self.seconds * (1 + x.shape[0] // 4))
             return x
 
-    found = quantize.time_models({"fast": Sleeper(0.02), "slow": Sleeper(0.1)}, [(1, 1, 4, 4), (4, 1, 4, 4)], runs=5)
+    models = {"fast": Sleeper(0.02), "slow": Sleeper(0.1)}
+    found = quantize.time_models(models, [(1, 1, 4, 4), (4, 1, 4, 4)], runs=5)
     for shape, factor in ((0, 1), (1, 2)):
         assert found[("fast", shape)] == pytest.approx(0.02 * factor, rel=0.5)
         assert found[("slow", shape)] == pytest.approx(0.1 * factor, rel=0.5)
