@@ -90,10 +90,10 @@ def detect_launcher(environ=None):
         found.update(world_size=int(world), local_rank=int(local_rank or 0))
         if launcher == "slurm":
             # Tasks per node as "2(x3),1": take this node's count, by its index.
-            per_node = env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", ""))
-            pairs = re.findall(r"(\d+)(?:\(x(\d+)\))?", per_node)
+            names = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
+            pairs = re.findall(r"(\d+)(?:\(x(\d+)\))?", next(filter(None, map(env.get, names)), ""))
             counts = [int(n) for n, times in pairs for _ in range(int(times or 1))]
-            local_world = counts[int(local_world or 0)] if counts else None
+            local_world = counts[min(int(local_world or 0), len(counts) - 1)] if counts else None
             nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
             found["master_addr"] = slurm_first_host(nodes) if nodes else None
             # Every task derives the same port from the job id: none has to be agreed on.
@@ -334,7 +334,8 @@ def synthetic_data(num_train=2000, num_test=499, size=28, seed=0):
     """A learnable data set made on the spot: each of 10 classes a smooth pattern plus noise.
     499 test samples, divisible by neither 2 nor 3: exact evaluation is exercised."""
     g = torch.Generator().manual_seed(seed)
-    prototypes = F.interpolate(torch.rand(10, 1, 7, 7, generator=g), size=(size, size))
+    coarse = torch.rand(10, 1, 7, 7, generator=g)
+    prototypes = F.interpolate(coarse, size=(size, size), mode="bilinear", align_corners=False)
     splits = []
     for n in (num_train, num_test):
         labels = torch.randint(10, (n,), generator=g)

@@ -38,7 +38,10 @@ def test_plain_process_has_no_launcher():
 @pytest.mark.parametrize(
     "env, expected",
     [
-        (TORCHRUN, dict(launcher="torchrun", rank=3, world_size=8, local_rank=1, local_world_size=2)),
+        (
+            TORCHRUN,
+            dict(launcher="torchrun", rank=3, world_size=8, local_rank=1, local_world_size=2),
+        ),
         (OPEN_MPI, dict(launcher="mpirun", rank=2, world_size=4, local_rank=0, local_world_size=2)),
         (MPICH, dict(launcher="mpirun", rank=1, world_size=3, local_rank=1, local_world_size=3)),
         (
@@ -61,7 +64,11 @@ def test_detect_launcher(env, expected):
 
 
 def test_slurm_allocation_counts_when_step_counts_are_missing():
-    env = {k: v for k, v in SLURM.items() if k not in ("SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE")}
+    env = {
+        k: v
+        for k, v in SLURM.items()
+        if k not in ("SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE")
+    }
     env["SLURM_NTASKS_PER_NODE"] = "4"
     found = common.detect_launcher(env)
     assert (found["world_size"], found["local_world_size"]) == (16, 4)
@@ -144,7 +151,11 @@ def test_init_under_launcher(fake_init, env, rank, world, local_rank, local_worl
     assert info == common.DistInfo(True, rank, local_rank, world, local_world, torch.device("cpu"))
     [(args, kwargs)] = calls
     assert args == ("gloo",)
-    assert (kwargs["rank"], kwargs["world_size"], kwargs["timeout"].total_seconds()) == (rank, world, 42)
+    assert (kwargs["rank"], kwargs["world_size"], kwargs["timeout"].total_seconds()) == (
+        rank,
+        world,
+        42,
+    )
     assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("10.0.0.1", "29555")
 
 
@@ -154,7 +165,10 @@ def test_slurm_derives_master_address_and_port(fake_init):
         monkeypatch.setenv(k, v)
     common.init_distributed_mode()
     assert len(calls) == 1
-    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("gpu003", str(20000 + 123456 % 20000))
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == (
+        "gpu003",
+        str(20000 + 123456 % 20000),
+    )
 
 
 def test_mp_spawn_rank_overrides_environment(fake_init):
@@ -168,7 +182,9 @@ def test_mp_spawn_rank_overrides_environment(fake_init):
 
 def one_line_error(excinfo):
     message = excinfo.value.code
-    assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message, message
+    assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message, (
+        message
+    )
     return message
 
 
@@ -271,7 +287,10 @@ def test_mpich_processes_reduce_integers():
         )
         for r in range(2)
     ]
-    results = [json.loads(r.stdout.strip().splitlines()[-1]) for r in run_ranks(["-c", PROBE], envs, timeout=120)]
+    results = [
+        json.loads(r.stdout.strip().splitlines()[-1])
+        for r in run_ranks(["-c", PROBE], envs, timeout=120)
+    ]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     for rank, res in enumerate(results):
         assert res["info"] == [True, rank, rank, 2, 2]
@@ -308,11 +327,52 @@ print(json.dumps(dict(during=during, left=sorted(n for t, n in threads().items()
 """
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the threads from Linux's /proc")
+@pytest.mark.skipif(
+    not os.path.isdir("/proc/self/task"), reason="reads the threads from Linux's /proc"
+)
 def test_cleanup_ends_the_process_groups_threads_after_ddp():
     port = str(free_port())
-    envs = [clean_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for r in range(2)]
+    envs = [
+        clean_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        for r in range(2)
+    ]
     for r in run_ranks(["-c", TEARDOWN], envs, timeout=120):
         res = json.loads(r.stdout.strip().splitlines()[-1])
         assert res["during"] > 0  # the group ran threads of its own: there was something to end
         assert res["left"] == [], res
+
+
+@pytest.mark.parametrize(
+    "per_node, node, local_world",
+    [("3,1", 0, 3), ("3,1", 1, 1), ("2(x3),1", 2, 2), ("2(x3),1", 3, 1), ("4(x2)", 1, 4)],
+)
+def test_slurm_local_world_size_is_this_nodes_count(per_node, node, local_world):
+    # An uneven layout: the first count is the first node's, not every node's.
+    env = {**SLURM, "SLURM_STEP_TASKS_PER_NODE": per_node, "SLURM_NODEID": str(node)}
+    assert common.detect_launcher(env)["local_world_size"] == local_world
+
+
+def test_slurm_task_keeps_the_cpus_it_was_given(fake_init):
+    # srun --ntasks-per-node=4 --cpus-per-task=8 binds each task to its own 8 CPUs: the
+    # affinity mask already is this task's share, not the node's to divide by 4.
+    monkeypatch, _ = fake_init
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    for k, v in {**SLURM, "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_CPUS_PER_TASK": "8"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("MASTER_PORT", "29555")
+    info = common.init_distributed_mode()
+    assert (info.local_world_size, torch.get_num_threads()) == (4, 8)
+
+
+def test_rng_state_leaves_cuda_alone_on_the_cpu(monkeypatch):
+    # With --device cpu on a machine with GPUs, asking CUDA for its RNG state would create a
+    # CUDA context on GPU 0 in every process.
+    def touched(*args, **kwargs):
+        raise AssertionError("CUDA touched")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", touched)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", touched)
+    state = common.rng_state(torch.device("cpu"))
+    assert "cuda" not in state
+    common.set_rng_state({**state, "cuda": torch.zeros(1, dtype=torch.uint8)}, torch.device("cpu"))
