@@ -1,6 +1,5 @@
-"""Plumbing shared by the training scripts: process-group start and teardown for every
-launcher, rank helpers, data decoded once into memory, the shared models, exact evaluation
-and safe checkpoints. The strategies themselves stay in their own scripts."""
+"""What the training scripts share: process-group start and teardown for every launcher,
+rank helpers, in-memory data, the models, exact evaluation and safe checkpoints."""
 
 import argparse
 import datetime
@@ -13,9 +12,8 @@ import re
 import time
 import uuid
 import warnings
-from collections import OrderedDict
+from collections import OrderedDict, namedtuple
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -47,15 +45,8 @@ def check_flags(args, at_least_1=(), not_negative=(), positive=()):
 
 
 # Process group ----------------------------------------------------------------------------
-
-
-class DistInfo(NamedTuple):
-    distributed: bool
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    device: torch.device
+# What init_distributed_mode found out about this process.
+DistInfo = namedtuple("DistInfo", "distributed rank local_rank world_size local_world_size device")
 
 
 def slurm_first_host(nodelist):
@@ -74,8 +65,7 @@ LAUNCHER_VARS = {
 
 
 def detect_launcher(environ=None):
-    """This process's rank, local rank and world sizes as its launcher set them (a dict with
-    the launcher's name), or None for a plain single process."""
+    """This process's ranks and world sizes as its launcher set them, or None for one process."""
     env = dict(os.environ if environ is None else environ)
     # SLURM_PROCID exists in the batch shell too, where only one process runs; a step started
     # by srun has SLURM_STEP_ID, so a plain `python train.py` in sbatch stays single.
@@ -120,24 +110,21 @@ def init_distributed_mode(rank=None, world_size=None, backend=None, device="auto
     found = detect_launcher() or dict(launcher=None, rank=0, world_size=1, local_rank=0)
     if rank is not None:
         found = dict(launcher="mp.spawn", rank=rank, world_size=world_size, local_rank=rank)
-    local_rank, local_world = found["local_rank"], found.get("local_world_size", world_size or 1)
+    launcher, local_rank = found["launcher"], found["local_rank"]
+    local_world = found.get("local_world_size", found["world_size"])
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets 1; a value set is respected
         # Processes from mp.spawn or mpirun share their parent's CPUs: N of them with all of
         # them each would thrash, so divide. A SLURM task owns its --cpus-per-task already.
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        share = cpus // local_world
-        if found["launcher"] == "slurm":
-            share = int(os.environ.get("SLURM_CPUS_PER_TASK", share))
-        torch.set_num_threads(max(1, min(cpus, share)))
+        share = os.environ.get("SLURM_CPUS_PER_TASK") if launcher == "slurm" else None
+        torch.set_num_threads(max(1, min(cpus, int(share or cpus // local_world))))
     if device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda was asked for, but this machine has no usable CUDA device")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     dev = torch.device("cpu")
     if use_cuda:
-        gpus = torch.cuda.device_count()
-        dev = torch.device(
-            "cuda", cuda_device_index(local_rank, local_world, gpus, found["launcher"])
-        )
+        index = cuda_device_index(local_rank, local_world, torch.cuda.device_count(), launcher)
+        dev = torch.device("cuda", index)
         torch.cuda.set_device(dev)  # before the group, or every rank makes a context on GPU 0
 
     # Under torchrun a group forms even for one process, so that --nproc_per_node=1 runs the
@@ -152,7 +139,7 @@ def init_distributed_mode(rank=None, world_size=None, backend=None, device="auto
     for name in ("MASTER_ADDR", "MASTER_PORT") if backend != "mpi" else ():  # MPI has its own
         os.environ[name] = os.environ.get(name) or found.get(name.lower()) or ""
         if not os.environ[name]:
-            fail(f"{found['launcher']} launch: set MASTER_ADDR and MASTER_PORT (rank 0's)")
+            fail(f"{launcher} launch: set MASTER_ADDR and MASTER_PORT (where rank 0 listens)")
     # Imported while a group is up (by the first optimizer or DDP), torch._dynamo keeps the
     # group alive past destroy_process_group(), its threads running into interpreter exit,
     # where they can abort the process (PyTorch issue 190489): import it first.
@@ -163,34 +150,25 @@ def init_distributed_mode(rank=None, world_size=None, backend=None, device="auto
         store = process_group_store(found["rank"], timeout_s) if backend != "mpi" else None
         # The timeout bounds rendezvous and every collective: a peer that never arrives or
         # dies ends the job with an error instead of a hang.
-        timeout = datetime.timedelta(seconds=timeout_s)
-        device_id = dev if use_cuda else None
+        rank, world_size = found["rank"], found["world_size"]
+        kwargs = dict(store=store, timeout=datetime.timedelta(seconds=timeout_s))
         dist.init_process_group(
-            backend,
-            store=store,
-            timeout=timeout,
-            device_id=device_id,
-            rank=found["rank"],
-            world_size=found["world_size"],
+            backend, rank=rank, world_size=world_size, **kwargs, device_id=dev if use_cuda else None
         )
     except dist.DistNetworkError as e:  # nothing listens where rank 0 should be
         fail(f"{me}: rank 0 did not answer {at} ({first_line(e)})")
     except RuntimeError as e:  # DistStoreError: rank 0 waited for the others in vain
         same = "start every process with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE"
         fail(f"{me}: a peer did not join {at} ({first_line(e)}); {same}")
-    return DistInfo(True, found["rank"], local_rank, found["world_size"], local_world, dev)
+    return DistInfo(True, rank, local_rank, world_size, local_world, dev)
 
 
 def process_group_store(rank, timeout_s):
-    """The store for this attempt's process group, or None to let env:// make one.
-
-    Under torchrun the store at MASTER_ADDR:MASTER_PORT is node 0's agent's
-    (TORCHELASTIC_USE_AGENT_STORE=True): it outlives the workers, so after a restart it still
-    holds the failed attempt's keys, and a group formed on them dials dead workers or hangs
-    (PyTorch issues 135712, 167288). So each attempt takes a key prefix of its own: rank 0
-    draws a number from a counter in the store and answers each rank's one-time token with
-    it. (TORCHELASTIC_RESTART_COUNT will not do: each node's agent counts its own restarts.)
-    """
+    """The store for this attempt's group, or None to let env:// make one. Under torchrun the
+    store is node 0's agent's: it outlives the workers, and a group formed on a failed
+    attempt's keys dials dead workers or hangs (PyTorch issues 135712, 167288). So each attempt
+    takes a key prefix of its own: rank 0 draws a number from a counter in the store and
+    answers each rank's one-time token with it (each node's agent counts its own restarts)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None  # no store outlives the workers (env://, mp.spawn, SLURM, the opt-out)
     host, port, world = (os.environ[v] for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"))
@@ -222,15 +200,14 @@ def process_group_store(rank, timeout_s):
     return dist.PrefixStore(f"attempt_{attempt}/", store)
 
 
-def first_line(error):
-    """An exception's first line, without the C++ source locations that gloo adds."""
+def first_line(error):  # without the C++ source locations that gloo adds
+
     text = str(error).strip() or type(error).__name__
     return re.sub(r"\[[^\]]*:\d+\]\s*", "", text.splitlines()[0])
 
 
 def peer_failure(error, info):
-    """What to raise for an error in training: one line if it says that a peer died or
-    stopped answering (gloo's words), else the error itself."""
+    """What to raise for an error in training: one line if a peer died or hung, else itself."""
     lost = ("closed by peer", "reset by peer", "Broken pipe", "Timed out", "caused pair closure")
     if not info.distributed or not any(s in str(error) for s in lost):
         return error
@@ -239,8 +216,7 @@ def peer_failure(error, info):
     return SystemExit(f"error: rank {info.rank}: {why}; the first error is the cause; {again}")
 
 
-def cleanup():
-    """The teardown matching init_distributed_mode; call it in a `finally`."""
+def cleanup():  # the teardown matching init_distributed_mode; call it in a `finally`
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -253,8 +229,7 @@ def is_main_process():
     return get_world_size() == 1 or dist.get_rank() == 0
 
 
-def print0(*args, **kwargs):
-    """print() on global rank 0 only, so N processes don't print N copies."""
+def print0(*args, **kwargs):  # on global rank 0 only: N processes, one copy
     if is_main_process():
         print(*args, **kwargs, flush=True)
 
@@ -268,9 +243,8 @@ def reduce_value(value, average=False):
 
 
 def together(fn, run=True):
-    """fn() where `run` is true; if it failed on any rank, every rank stops with its error now
-    (all ranks participate). A check on rank 0 alone would otherwise end the others later
-    with "a peer died", which hides the cause."""
+    """fn() where `run` is true; if it failed anywhere, every rank stops with its error now (all
+    ranks participate), not later with "a peer died", which hides the cause."""
     result, errors = None, [None] * get_world_size()
     try:
         result = fn() if run else None
@@ -290,8 +264,7 @@ def once_per_node(fn, local_rank):
     return together(fn, run=local_rank == 0 and not is_main_process()) or first
 
 
-def broadcast_object(obj, src=0):
-    """Rank `src`'s `obj` on every rank (pickled; all ranks participate)."""
+def broadcast_object(obj, src=0):  # rank src's obj on every rank; all ranks participate
     box = [obj]
     if get_world_size() > 1:
         dist.broadcast_object_list(box, src=src)
@@ -309,8 +282,7 @@ DATASETS = ("fashion-mnist", "mnist", "cifar10", "imagefolder", "synthetic")
 
 
 class InMemoryDataset(Dataset):
-    """Images (N, C, H, W) and labels (N,) in memory. __getitems__ lets the DataLoader take a
-    whole batch in one indexing operation instead of N __getitem__ calls and a stack."""
+    """Images (N, C, H, W) and labels (N,) in memory; a batch is one indexing operation."""
 
     def __init__(self, images, labels, classes):
         self.images, self.labels, self.classes = images, labels, list(classes)
@@ -321,18 +293,16 @@ class InMemoryDataset(Dataset):
     def __getitem__(self, i):
         return self.images[i], self.labels[i]
 
-    def __getitems__(self, indices):
+    def __getitems__(self, indices):  # the DataLoader's batch at once, not N items stacked
         return self.images[indices], self.labels[indices]
 
 
-def collate(batch):
-    """DataLoader collate_fn: InMemoryDataset's batches arrive whole; samples are stacked."""
+def collate(batch):  # InMemoryDataset's batches arrive whole; ImageFolder's samples are stacked
     return batch if isinstance(batch, tuple) else default_collate(batch)
 
 
 def synthetic_data(num_train=2000, num_test=499, size=28, seed=0):
-    """A learnable data set made on the spot: each of 10 classes a smooth pattern plus noise.
-    499 test samples, divisible by neither 2 nor 3: exact evaluation is exercised."""
+    """10 classes, each a smooth pattern plus noise; 499 test samples (not divisible by 2 or 3)."""
     g = torch.Generator().manual_seed(seed)
     coarse = torch.rand(10, 1, 7, 7, generator=g)
     prototypes = F.interpolate(coarse, size=(size, size), mode="bilinear", align_corners=False)
@@ -347,8 +317,7 @@ def synthetic_data(num_train=2000, num_test=499, size=28, seed=0):
 def _load_torchvision(name, data_dir, download):
     from torchvision import datasets
 
-    cls = {"fashion-mnist": datasets.FashionMNIST, "mnist": datasets.MNIST}.get(name)
-    cls = cls or datasets.CIFAR10
+    cls = dict(mnist=datasets.MNIST, cifar10=datasets.CIFAR10).get(name, datasets.FashionMNIST)
     where = Path(data_dir, f"{cls.__name__}/raw" if cls.__name__.endswith("MNIST") else "")
     try:
         splits = [cls(data_dir, train=train, download=download) for train in (True, False)]
@@ -397,30 +366,26 @@ def _load(name, data_dir, download, image_size):
     images = [x.float().div_(255) for x, _ in splits]
     # Normalised with the training split's per-channel statistics (no test-set leakage).
     mean, std = images[0].mean((0, 2, 3), keepdim=True), images[0].std((0, 2, 3), keepdim=True)
-    labels = [y.long() for _, y in splits]
-    train, test = (InMemoryDataset((x - mean) / std, y, classes) for x, y in zip(images, labels))
+    pairs = zip(images, (y.long() for _, y in splits), strict=True)
+    train, test = (InMemoryDataset((x - mean) / std, y, classes) for x, y in pairs)
     return train, test, len(classes), train.images.shape[1]
 
 
 def load_datasets(name, data_dir, download=False, image_size=None, local_rank=0):
-    """(train_set, test_set, num_classes, in_channels). The MNIST family and CIFAR-10 are
-    decoded once into normalised tensors; ImageFolder (a user's own images, maybe too many
-    for memory) is read per sample, cropped to `image_size`. All ranks participate."""
+    """(train_set, test_set, num_classes, in_channels); all ranks participate. ImageFolder, maybe
+    too large for memory, is read per sample; the others are decoded once into memory."""
     if name not in DATASETS:
         fail(f"unknown data set {name!r}; choose from {', '.join(DATASETS)}")
     if download and get_world_size() > 1 and name not in ("imagefolder", "synthetic"):
         # torchvision downloads into the final file names.
-        once_per_node(lambda: _load(name, data_dir, True, image_size), local_rank)
-        download = False
+        loaded = once_per_node(lambda: _load(name, data_dir, True, image_size), local_rank)
+        return loaded or _load(name, data_dir, False, image_size)
     return _load(name, data_dir, download, image_size)
 
 
 # Models -----------------------------------------------------------------------------------
-
-
 class SmallCNN(nn.Sequential):
-    """Three conv-BN-ReLU-maxpool blocks and a linear head; narrow, as CPU time grows with
-    the width squared."""
+    """Three conv-BN-ReLU-maxpool blocks and a linear head; narrow, for CPUs."""
 
     def __init__(self, in_channels=1, num_classes=10, widths=(16, 32, 64)):
         layers = []
@@ -461,11 +426,9 @@ def build_model(name, in_channels, num_classes, image_size=28):
 
 
 # Evaluation -------------------------------------------------------------------------------
-
-
 def eval_shard(dataset, rank, world_size):
-    """This rank's share of the test set, every sample once over all ranks. DistributedSampler
-    pads with duplicates, which counted in accuracy make it depend on the world size."""
+    """This rank's share of the test set, each sample once over all ranks (DistributedSampler
+    pads with duplicates, which would make the accuracy depend on the world size)."""
     return torch.utils.data.Subset(dataset, range(rank, len(dataset), world_size))
 
 
@@ -488,11 +451,8 @@ def evaluate(model, loader, device, autocast=None):
 
 
 # Checkpoints and metrics ------------------------------------------------------------------
-
-
 def rng_state(device):
-    """The RNG states to resume with; CUDA's only on CUDA (elsewhere the call would make a
-    CUDA context on GPU 0 in every process)."""
+    """The RNG states to resume with; CUDA's only on CUDA (else: a context on GPU 0 per rank)."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
@@ -543,7 +503,7 @@ def atomic_write(path, write):
         tmp.unlink(missing_ok=True)
 
 
-def save_checkpoint(state, path):
+def save_checkpoint(state, path):  # on global rank 0 only
     atomic_write(path, lambda tmp: torch.save(state, tmp))
 
 

@@ -147,18 +147,46 @@ def max_abs_diff(a, b):
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
+def built_loaders(argv, world, rank, datasets=None):
+    """The training sampler, training loader and test loader that ddp_train.main() builds on
+    `rank` of `world` processes, with `argv` (and load_datasets' answer `datasets`, if given).
+    main() runs under a stand-in launcher until it has made both loaders (DistributedSampler
+    takes the rank explicitly: no process group needed)."""
+
+    class Built(Exception):
+        pass
+
+    loaders = []
+
+    def record(*args, **kwargs):
+        loaders.append(torch.utils.data.DataLoader(*args, **kwargs))
+        if len(loaders) == 2:
+            raise Built
+        return loaders[-1]
+
+    info = common.DistInfo(world > 1, rank, rank, world, world, torch.device("cpu"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ddp_train, "DataLoader", record)
+        patch.setattr(ddp_train, "init_distributed_mode", lambda **_: info)
+        patch.setattr(ddp_train, "cleanup", lambda: None)  # a caller's group stays up
+        if datasets:
+            patch.setattr(ddp_train, "load_datasets", lambda *_: datasets)
+        with pytest.raises(Built):
+            ddp_train.main(list(map(str, argv)))
+    return loaders[0].sampler, loaders[0], loaders[1]
+
+
 def single_process_eval(ckpt_path, argv):
     """Loss and accuracy of a checkpoint on the whole test set, computed here by one process
     the way the scripts do it (same loader, batch size and memory format): the reference
     that every world size must reproduce."""
     args = ddp_train.get_args(argv)
-    train_set, test_set, num_classes, in_channels = common.load_datasets(args.data, args.data_dir)
-    info = common.DistInfo(False, 0, 0, 1, 1, torch.device("cpu"))
-    _, _, test_loader = ddp_train.build_loaders(args, train_set, test_set, info)
-    model = common.build_model(args.model, in_channels, num_classes)
+    _, train_loader, test_loader = built_loaders(argv, 1, 0)
+    image = train_loader.dataset[0][0]
+    model = common.build_model(args.model, image.shape[0], 10, image_size=image.shape[-1])
     model.load_state_dict(load_ckpt(ckpt_path)["model"])
-    model = model.to(memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
-    return common.evaluate(model, test_loader, info.device)
+    memory_format = torch.channels_last if args.channels_last else torch.preserve_format
+    return common.evaluate(model.to(memory_format=memory_format), test_loader, torch.device("cpu"))
 
 
 @pytest.fixture

@@ -93,9 +93,7 @@ def test_impossible_flags(no_launcher, tmp_path, flags, words):
 
 
 @pytest.mark.parametrize("data", ["mnist", "fashion-mnist", "cifar10", "imagefolder"])
-def test_missing_data(no_launcher, monkeypatch, tmp_path, data):
-    # Fashion-MNIST would fall back to Debian's package where it is installed: pretend it is not.
-    monkeypatch.setattr(common, "_debian_fashion_mnist_dir", lambda: None)
+def test_missing_data(no_launcher, tmp_path, data):
     message = fails(
         ddp_train.main, ["--data", data, "--data-dir", str(tmp_path / "nothing"), "--output-dir", str(tmp_path / "out")]
     )

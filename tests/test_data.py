@@ -1,9 +1,9 @@
-"""Sharding and shuffling as each rank sees it, through ddp_train.build_loaders for every
-rank of a world (DistributedSampler takes the rank explicitly: no process group needed)."""
+"""Sharding and shuffling as each rank sees it: the loaders ddp_train.main() builds on every
+rank of a world (conftest.built_loaders)."""
 
 import pytest
 import torch
-from conftest import SYNTHETIC, run_python
+from conftest import SYNTHETIC, built_loaders, run_python
 
 import common
 import ddp_train
@@ -16,9 +16,8 @@ def synthetic():
 
 
 def rank_loaders(world, synthetic, batch_size=64):
-    args = ddp_train.get_args([*SYNTHETIC, "--batch-size", str(batch_size)])
-    infos = [common.DistInfo(world > 1, r, r, world, world, torch.device("cpu")) for r in range(world)]
-    return [ddp_train.build_loaders(args, *synthetic, info) for info in infos]
+    argv = [*SYNTHETIC, "--batch-size", batch_size]
+    return [built_loaders(argv, world, rank) for rank in range(world)]
 
 
 def epoch_order(sampler, epoch):

@@ -55,7 +55,7 @@ def _eval_rank(rank, world, port, out):
     import torch.distributed as dist
 
     import common
-    import ddp_train
+    from conftest import built_loaders
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -72,10 +72,9 @@ def _eval_rank(rank, world, port, out):
             seen.extend(index.tolist())
             return torch.nn.functional.one_hot(torch.where(index % 2 == 0, index % 10, (index + 1) % 10), 10).float()
 
-    args = ddp_train.get_args(["--batch-size", "16"])
-    info = common.DistInfo(True, rank, rank, world, world, torch.device("cpu"))
-    _, _, test_loader = ddp_train.build_loaders(args, test_set, test_set, info)
-    _, acc = common.evaluate(Recorder(), test_loader, info.device)
+    datasets = (test_set, test_set, 10, 1)
+    _, _, test_loader = built_loaders(["--batch-size", "16"], world, rank, datasets)
+    _, acc = common.evaluate(Recorder(), test_loader, torch.device("cpu"))
     (out / f"{rank}.json").write_text(json.dumps(dict(seen=seen, acc=acc)))
     dist.destroy_process_group()
 

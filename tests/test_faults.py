@@ -34,17 +34,44 @@ ROOT = Path(__file__).resolve().parent.parent
 SYNTHETIC = ["--data", "synthetic", "--dist-timeout", "60"]
 # 8 samples per process and step: 125 steps per epoch with 2 processes (a few seconds),
 # time enough to kill a worker between the snapshot at step 10 and the end of epoch 0.
-KILLABLE = [*SYNTHETIC, "--batch-size", "8", "--epochs", "2", "--save-every", "10", "--log-every", "10"]
+KILLABLE = [
+    *SYNTHETIC,
+    "--batch-size",
+    "8",
+    "--epochs",
+    "2",
+    "--save-every",
+    "10",
+    "--log-every",
+    "10",
+]
 STEPS_PER_EPOCH = 2000 // (2 * 8)
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "TORCHELASTIC_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+LAUNCHER_PREFIXES = (
+    "SLURM_",
+    "OMPI_",
+    "PMI_",
+    "TORCHELASTIC_",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+)
 
 
 def env(**extra):
     """This environment without any launcher's variables (pytest may run inside a SLURM job,
     say), one thread per process (2 cores here), plus `extra`."""
-    clean = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith(LAUNCHER_PREFIXES)}
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in LAUNCHER_VARS and not k.startswith(LAUNCHER_PREFIXES)
+    }
     return {**clean, "OMP_NUM_THREADS": "1", **extra}
 
 
@@ -65,7 +92,12 @@ def start(cmd, log, **extra_env):
     """Start a command in the background, stdout and stderr into the file `log`."""
     with open(log, "w") as f:
         return subprocess.Popen(
-            [str(c) for c in cmd], cwd=ROOT, env=env(**extra_env), stdin=subprocess.DEVNULL, stdout=f, stderr=f
+            [str(c) for c in cmd],
+            cwd=ROOT,
+            env=env(**extra_env),
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=f,
         )
 
 
@@ -119,7 +151,10 @@ def metrics(out):
 
 def resumed_at(text):
     """(epoch, step in epoch) of every "resumed from" line a run printed."""
-    return [(int(e), int(s)) for e, s in re.findall(r"resumed from \S+ at epoch (\d+), step (\d+) of", text)]
+    return [
+        (int(e), int(s))
+        for e, s in re.findall(r"resumed from \S+ at epoch (\d+), step (\d+) of", text)
+    ]
 
 
 @pytest.fixture
@@ -142,7 +177,17 @@ def plain_process(monkeypatch):
 def uninterrupted(tmp_path_factory):
     """KILLABLE's run by 2 processes that nothing stops: the weights every restart must reach."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    proc = run([*TORCHRUN, "--standalone", "--nproc_per_node=2", "ddp_train.py", *KILLABLE, "--output-dir", out])
+    proc = run(
+        [
+            *TORCHRUN,
+            "--standalone",
+            "--nproc_per_node=2",
+            "ddp_train.py",
+            *KILLABLE,
+            "--output-dir",
+            out,
+        ]
+    )
     assert proc.returncode == 0, proc.stderr
     return common.load_checkpoint(out / "checkpoint.pt")["model"]
 
@@ -159,7 +204,9 @@ def check_resumed_exactly(out, text, uninterrupted):
         assert torch.equal(ckpt["model"][key], uninterrupted[key]), key
 
 
-@pytest.mark.parametrize("launch", ["standalone", "static rendezvous", "standalone, opt-out variable"])
+@pytest.mark.parametrize(
+    "launch", ["standalone", "static rendezvous", "standalone, opt-out variable"]
+)
 def test_torchrun_restart_resumes_mid_epoch(tmp_path, uninterrupted, launch):
     """The plain command with --max-restarts: a worker killed in the middle of epoch 0 makes
     torchrun restart the group, which resumes from the mid-epoch snapshot. torchrun hands the
@@ -186,8 +233,20 @@ def test_restart_across_two_torchrun_nodes(tmp_path, uninterrupted):
     different TORCHELASTIC_RESTART_COUNTs; they must still meet under the same keys."""
     out = tmp_path / "run"
     endpoint = f"127.0.0.1:{free_port()}"
-    rdzv = ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}"]
-    cmd = [*TORCHRUN, *rdzv, f"--rdzv-id={tmp_path.name}", "--max-restarts=1", "ddp_train.py", *KILLABLE]
+    rdzv = [
+        "--nnodes=2",
+        "--nproc_per_node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+    ]
+    cmd = [
+        *TORCHRUN,
+        *rdzv,
+        f"--rdzv-id={tmp_path.name}",
+        "--max-restarts=1",
+        "ddp_train.py",
+        *KILLABLE,
+    ]
     logs = [tmp_path / "node0", tmp_path / "node1"]
     nodes = [start([*cmd, "--output-dir", out], log) for log in logs]
     try:
@@ -212,7 +271,18 @@ def test_mp_spawn_child_killed_ends_job_and_rerun_resumes(tmp_path):
     """ddp_mp_spawn.py checkpoints at the end of each epoch: killed in epoch 1, its rerun
     resumes at epoch 1 and finishes."""
     out = tmp_path / "run"
-    cmd = ["ddp_mp_spawn.py", "--nprocs", "2", *SYNTHETIC, "--batch-size", "8", "--epochs", "2", "--output-dir", out]
+    cmd = [
+        "ddp_mp_spawn.py",
+        "--nprocs",
+        "2",
+        *SYNTHETIC,
+        "--batch-size",
+        "8",
+        "--epochs",
+        "2",
+        "--output-dir",
+        out,
+    ]
     log = tmp_path / "log"
     proc = start([sys.executable, *cmd], log)
     try:
@@ -237,10 +307,23 @@ def test_mid_epoch_resume_equals_an_uninterrupted_run(tmp_path, plain_process):
     of a run that never stopped: the checkpoint records the position inside the epoch, and the
     resumed epoch leaves out exactly the batches already trained."""
     # --augment draws random crops and flips every step: the RNG states must come back too.
-    args = [*SYNTHETIC, "--model", "mlp", "--epochs", "2", "--batch-size", "32", "--save-every", "7", "--augment"]
+    args = [
+        *SYNTHETIC,
+        "--model",
+        "mlp",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "32",
+        "--save-every",
+        "7",
+        "--augment",
+    ]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     ddp_train.main([str(a) for a in [*args, "--output-dir", straight]])
-    ddp_train.main([str(a) for a in [*args, "--output-dir", resumed, "--max-steps", "40"]])  # 62 steps/epoch
+    ddp_train.main(
+        [str(a) for a in [*args, "--output-dir", resumed, "--max-steps", "40"]]
+    )  # 62 steps/epoch
     stopped = common.load_checkpoint(resumed / "checkpoint.pt")
     assert (stopped["epoch"], stopped["epoch_step"], stopped["step"]) == (0, 40, 40)
     ddp_train.main([str(a) for a in [*args, "--output-dir", resumed]])
@@ -267,7 +350,17 @@ def test_mid_epoch_snapshot_resumes_at_another_world_size(tmp_path, plain_proces
     """One process stops inside epoch 0; two processes shard the epoch differently, so they
     start epoch 0 again (documented in ddp_train.py) and finish the run."""
     out = tmp_path / "run"
-    args = [*SYNTHETIC, "--model", "mlp", "--epochs", "1", "--batch-size", "32", "--output-dir", out]
+    args = [
+        *SYNTHETIC,
+        "--model",
+        "mlp",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "32",
+        "--output-dir",
+        out,
+    ]
     ddp_train.main([str(a) for a in [*args, "--max-steps", "20"]])
     proc = run([*TORCHRUN, "--standalone", "--nproc_per_node=2", "ddp_train.py", *args])
     assert proc.returncode == 0, proc.stderr
@@ -357,15 +450,33 @@ def test_unwritable_output_dir_is_refused_at_start_up(tmp_path, plain_process):
     # Tests run as root, whom chmod does not stop: a path under a regular file cannot be made.
     a_file = tmp_path / "a_file"
     a_file.write_text("")
-    message = fails(ddp_train.main, [*SYNTHETIC, "--max-steps", "1", "--output-dir", a_file / "out"])
+    message = fails(
+        ddp_train.main, [*SYNTHETIC, "--max-steps", "1", "--output-dir", a_file / "out"]
+    )
     assert "not writable" in message
 
 
-def test_full_disk_is_refused_before_creating_anything(tmp_path):
-    with pytest.raises(SystemExit, match="MiB free; a checkpoint needs about"):
-        common.check_output_dir(tmp_path / "out", need_bytes=2**60)  # an exbibyte: no disk has that
-    assert not (tmp_path / "out").exists()
-    assert common.check_output_dir(tmp_path / "out", need_bytes=1).is_dir()
+def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, plain_process, monkeypatch):
+    """A disk that fills up while the checkpoint is written: one line, exit 1, the previous
+    checkpoint whole and no temporary file left behind."""
+    out = tmp_path / "run"
+    args = [*SYNTHETIC, "--model", "mlp", "--epochs", "2", "--max-steps", "62", "--output-dir", out]
+    ddp_train.main(args)  # a whole first epoch
+    before = (out / "checkpoint.pt").read_bytes()
+    real_save = torch.save
+
+    def save_half(obj, path):
+        real_save(obj, path)
+        with open(path, "r+b") as f:
+            f.truncate(100)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", save_half)
+    message = fails(ddp_train.main, [a for a in args if a not in ("--max-steps", "62")])
+    full = r"error: could not write .*checkpoint\.pt \(No space left on device\); the previous"
+    assert re.fullmatch(full + " one is kept", message), message
+    assert (out / "checkpoint.pt").read_bytes() == before
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "metrics.jsonl"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -377,7 +488,15 @@ def test_peer_that_never_joins_ends_within_the_timeout(tmp_path):
     port = free_port()
     began = time.monotonic()
     proc = run(
-        [sys.executable, "ddp_train.py", *SYNTHETIC, "--dist-timeout", "5", "--output-dir", out],  # the last flag wins
+        [
+            sys.executable,
+            "ddp_train.py",
+            *SYNTHETIC,
+            "--dist-timeout",
+            "5",
+            "--output-dir",
+            out,
+        ],  # the last flag wins
         timeout=120,
         RANK="0",
         WORLD_SIZE="2",
@@ -397,7 +516,13 @@ def two_ranks(args, **extra_env):
         subprocess.Popen(
             [sys.executable, *map(str, args)],
             cwd=ROOT,
-            env=env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra_env),
+            env=env(
+                RANK=str(rank),
+                WORLD_SIZE="2",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                **extra_env,
+            ),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -421,30 +546,38 @@ def finish(procs, timeout):
 
 def test_non_finite_loss_stops_every_rank_at_the_same_step():
     """No launcher kills anyone here: each rank must stop by itself, at the step they agreed on."""
-    procs = two_ranks(["ddp_train.py", *SYNTHETIC, "--lr", "1e6", "--log-every", "1", "--epochs", "1"])
+    procs = two_ranks(
+        ["ddp_train.py", *SYNTHETIC, "--lr", "1e6", "--log-every", "1", "--epochs", "1"]
+    )
     lines = [error_line(r) for r in finish(procs, timeout=120)]
     assert re.fullmatch(r"error: non-finite loss at step \d+: lower --lr, .*", lines[0]), lines
     assert lines[0] == lines[1]
 
 
-def _check_finite_rank(rank, port, log):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    info = common.DistInfo(True, rank, rank, 2, 2, torch.device("cpu"))
-    first_bad = torch.tensor([7.0, 5.0][rank], dtype=torch.float64)  # rank 1 saw it first
+def _nan_rank(rank, port, log):
+    """One of two ranks whose loss turns NaN at its own step: rank 1's at step 5, rank 0's at
+    step 7 (by then the NaN gradients all-reduced at step 5 would have spread anyway)."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2"
+    )
+    real, calls = torch.nn.functional.cross_entropy, iter(range(10**6))
+
+    def cross_entropy(*args, **kwargs):
+        loss = real(*args, **kwargs)
+        return loss * math.nan if next(calls) >= [7, 5][rank] else loss
+
+    torch.nn.functional.cross_entropy = cross_entropy
     try:
-        ddp_train.check_finite(torch.tensor([math.nan, 1.0]), first_bad, info)
+        ddp_train.main([*SYNTHETIC, "--model", "mlp", "--log-every", "10", "--max-steps", "20"])
     except SystemExit as e:
         (log / str(rank)).write_text(str(e.code))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ranks_agree_on_the_first_non_finite_step(tmp_path):
     """Between two checks the ranks may see the first NaN at different steps (rank 1's data
     overflows first, its NaN reaches rank 0 through the next all-reduce): both must name the
     earliest, so that their messages agree."""
-    torch.multiprocessing.spawn(_check_finite_rank, args=(free_port(), tmp_path), nprocs=2)
+    torch.multiprocessing.spawn(_nan_rank, args=(free_port(), tmp_path), nprocs=2)
     for rank in "01":
         assert (tmp_path / rank).read_text().startswith("error: non-finite loss at step 5:")
 
@@ -452,7 +585,14 @@ def test_ranks_agree_on_the_first_non_finite_step(tmp_path):
 def test_peer_that_stops_answering_ends_the_job_within_the_timeout(tmp_path):
     """Rank 1 freezes (SIGSTOP) in the middle of training: rank 0 stops after --dist-timeout."""
     out = tmp_path / "run"
-    args = ["ddp_train.py", *KILLABLE, "--dist-timeout", "10", "--output-dir", out]  # the last flag wins
+    args = [
+        "ddp_train.py",
+        *KILLABLE,
+        "--dist-timeout",
+        "10",
+        "--output-dir",
+        out,
+    ]  # the last flag wins
     rank0, rank1 = two_ranks(args)
     try:
         deadline = time.monotonic() + 120
@@ -507,9 +647,15 @@ def empty_imagefolder(root):
 BAD_INPUT = {
     "missing data": (["--data", "cifar10", "--data-dir", "{tmp}/nothing"], "not found"),
     "no train/ folder": (["--data", "imagefolder", "--data-dir", "{tmp}"], "train is missing"),
-    "empty imagefolder": (["--data", "imagefolder", "--data-dir", "{tmp}/images"], "Found no valid file"),
+    "empty imagefolder": (
+        ["--data", "imagefolder", "--data-dir", "{tmp}/images"],
+        "Found no valid file",
+    ),
     "cuda without a GPU": (["--data", "synthetic", "--device", "cuda"], "no usable CUDA device"),
-    "batch larger than a shard": (["--data", "synthetic", "--batch-size", "4096"], "larger than one rank's shard"),
+    "batch larger than a shard": (
+        ["--data", "synthetic", "--batch-size", "4096"],
+        "larger than one rank's shard",
+    ),
 }
 
 
@@ -529,7 +675,9 @@ def test_mp_spawn_refuses_cuda_without_a_gpu(tmp_path, plain_process):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     out = tmp_path / "out"
-    message = fails(ddp_mp_spawn.main, ["--nprocs", "2", "--device", "cuda", *SYNTHETIC, "--output-dir", out])
+    message = fails(
+        ddp_mp_spawn.main, ["--nprocs", "2", "--device", "cuda", *SYNTHETIC, "--output-dir", out]
+    )
     assert "no usable CUDA device" in message and not out.exists()
 
 
