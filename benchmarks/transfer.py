@@ -51,6 +51,8 @@ def main():
     p.add_argument("--epochs", type=int, default=2, help="epochs of the few-label runs")
     p.add_argument("--batch-size", type=int, default=25, help="batch of the few-label runs")
     p.add_argument("--lr", type=float, default=0.2, help="finetune.py --lr of the few-label runs")
+    wd = "finetune.py --weight-decay of every run (README's figures: 1e-4)"
+    p.add_argument("--weight-decay", type=float, default=1e-4, help=wd)
     p.add_argument("--data-dir", default="data", help="where Fashion-MNIST is (as for finetune.py)")
     p.add_argument("--download", action="store_true", help="download Fashion-MNIST if missing")
     args = p.parse_args()
@@ -64,6 +66,7 @@ def main():
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     size = ["--image-size", args.image_size, "--data-dir", args.data_dir]
+    size += ["--weight-decay", args.weight_decay]
     download = ["--download"] if args.download else []
     base_flags = [*size, *download, "--weights", "none", "--classes", "0-4", "--epochs", 1]
     base = finetune(base_flags, work / "base")

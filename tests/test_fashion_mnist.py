@@ -65,6 +65,7 @@ def test_fine_tuning_from_other_classes_beats_training_from_scratch(tmp_path, da
 
     def finetune(*flags, out):
         script = ["finetune.py", "--device", "cpu", "--data-dir", data_dir, "--image-size", "64"]
+        script += ["--weight-decay", "1e-4"]  # benchmarks/transfer.py's setting
         # One process: let it use every core (the other tests' runs get one thread each).
         proc = run_python(
             [*script, *flags, "--output-dir", tmp_path / out], env=clean_env(None), timeout=600
