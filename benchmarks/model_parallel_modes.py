@@ -2,7 +2,8 @@
 
     python benchmarks/model_parallel_modes.py                    # CPU: stages on cpu,cpu
     python benchmarks/model_parallel_modes.py --device cuda      # 2 GPUs: cuda:0,cuda:1
-    python benchmarks/model_parallel_modes.py --rounds 5 --json benchmarks/runs/model_parallel_modes.json
+    python benchmarks/model_parallel_modes.py --rounds 5 \\
+        --json benchmarks/runs/model_parallel_modes.json
 
 Every row is a real run of model_parallel.py on synthetic data of Fashion-MNIST's shape
 (global batch 128): one device holding the whole model; mode 1, naive, 2 stages; mode 2,
@@ -42,19 +43,13 @@ def configurations(device, gpus):
         one, pairs = "cuda:0", ["cuda:0,cuda:1"] if gpus >= 2 else ["cuda:0,cuda:0", "cuda:0,cpu"]
     rows = [(f"one device ({one}), unsplit", 1, ["--devices", one, "--microbatches", "1"])]
     for pair in pairs:
-        rows.append((f"mode 1: naive, 2 stages ({pair})", 1, ["--devices", pair, "--microbatches", "1"]))
-        for m in (4, 8):
-            rows.append(
-                (f"mode 2: 2 stages ({pair}), {m} micro-batches", 1, ["--devices", pair, "--microbatches", str(m)])
-            )
+        for m in (1, 4, 8):
+            label = f"mode 2: 2 stages ({pair}), {m} micro-batches"
+            label = label if m > 1 else f"mode 1: naive, 2 stages ({pair})"
+            rows.append((label, 1, ["--devices", pair, "--microbatches", str(m)]))
     if device == "cpu" or gpus >= 2:
-        rows.append(
-            (
-                "mode 3: 2 processes (torchrun), GPipe, 8 micro-batches",
-                2,
-                ["--schedule", "gpipe", "--microbatches", "8"],
-            )
-        )
+        flags = ["--pipeline-schedule", "gpipe", "--microbatches", "8"]
+        rows.append(("mode 3: 2 processes (torchrun), GPipe, 8 micro-batches", 2, flags))
     return rows
 
 
@@ -63,11 +58,13 @@ def run(nproc, flags, args):
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     if nproc == 1 and args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, *launcher, "model_parallel.py", "--data", "synthetic", "--device", args.device]
-        cmd += ["--batch-size", "128", "--epochs", str(args.epochs), *flags, "--output-dir", out]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+        cmd = [sys.executable, *(launcher if nproc > 1 else []), "model_parallel.py"]
+        cmd += ["--data", "synthetic", "--device", args.device, "--batch-size", "128"]
+        cmd += ["--epochs", str(args.epochs), *flags, "--output-dir", out]
+        opts = dict(cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+        proc = subprocess.run(cmd, **opts)
         if proc.returncode != 0:
             sys.exit(f"error: {' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
         lines = Path(out, "metrics.jsonl").read_text().splitlines()
@@ -85,13 +82,25 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the stages run")
     p.add_argument("--rounds", type=int, default=3, help="passes over all rows, interleaved")
-    p.add_argument("--epochs", type=int, default=4, help="epochs per run (15 steps each); the first is not timed")
-    p.add_argument("--threads", type=int, default=0, help="threads of a single process; 0: every core")
-    p.add_argument("--timeout", type=float, default=600, help="seconds before one run counts as hung")
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=4,
+        help="epochs per run (15 steps each); the first is not timed",
+    )
+    p.add_argument(
+        "--threads", type=int, default=0, help="threads of a single process; 0: every core"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=600, help="seconds before one run counts as hung"
+    )
     p.add_argument("--json", default=None, help="also write the table's figures to this JSON file")
     args = p.parse_args()
     if args.rounds < 1 or args.epochs < 2 or args.threads < 0:
-        p.error("--rounds must be at least 1, --epochs at least 2 (the first is not timed), --threads not negative")
+        p.error(
+            "--rounds must be at least 1, --epochs at least 2 (the first is not timed), "
+            "--threads not negative"
+        )
     gpus = 0
     if args.device == "cuda":
         import torch  # only here: the CPU path needs no torch import in this process
@@ -106,10 +115,8 @@ def main():
     for r in range(args.rounds):
         for label, nproc, flags in rows:
             speeds[label] += run(nproc, flags, args)
-            print(
-                f"round {r + 1}/{args.rounds}: {label}: {statistics.median(speeds[label]):.0f} samples/s",
-                file=sys.stderr,
-            )
+            sps = statistics.median(speeds[label])
+            print(f"round {r + 1}/{args.rounds}: {label}: {sps:.0f} samples/s", file=sys.stderr)
     load_after = loadavg()
 
     base = statistics.median(speeds[rows[0][0]])
@@ -131,8 +138,8 @@ def main():
         print(f"| {label} | {nproc} | {sps:.0f} | {sps / base:.2f}x |")
     threads = args.threads or "every core"
     print(
-        f"\nglobal batch 128, {args.rounds} rounds x {args.epochs - 1} timed epochs per row; threads of one process: "
-        f"{threads}, of a torchrun worker: 1; "
+        f"\nglobal batch 128, {args.rounds} rounds x {args.epochs - 1} timed epochs per row; "
+        f"threads of one process: {threads}, of a torchrun worker: 1; "
         f"load average before {load_before}, after {load_after}; {time.time() - t0:.0f} s"
     )
     if args.json:

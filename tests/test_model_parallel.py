@@ -2,7 +2,7 @@
 1. naive (one process, stages on cpu,cpu), 2. micro-batched in one process, 3. one process
 per stage (real torchrun processes, gloo on CPU). Each takes the same steps, evaluates
 exactly, writes a checkpoint that loads into the unsplit model and resumes in any mode;
-bad input stops with one line.
+bad input stops with one line, on every rank.
 
 The parity holds only if the stages pass the right activations and gradients, every stage
 reads the same batch, the micro-batch gradients are averaged (not summed), and the model has
@@ -10,7 +10,9 @@ no BatchNorm (whose statistics would depend on the micro-batch).
 """
 
 import copy
+import re
 import shutil
+import time
 
 import pytest
 import torch
@@ -20,10 +22,13 @@ from conftest import (
     METRIC_KEYS,
     SYNTHETIC,
     assert_state_close,
+    clean_env,
+    free_port,
     load_ckpt,
     max_abs_diff,
     read_metrics,
     run_python,
+    run_ranks,
     torchrun,
 )
 from torch.utils.data import DataLoader
@@ -32,17 +37,32 @@ import common
 import model_parallel
 
 ATOL = 1e-5
-# 5 steps of batch 128: the weights move far more than the tolerance, and the loss goes down.
-ARGS = [*SYNTHETIC, "--epochs", "1", "--max-steps", "5", "--batch-size", "128", "--lr", "0.1", *DIST_TIMEOUT]
-# Every mode: (processes, flags). "naive" leaves --devices to its default (cpu,cpu with --device cpu).
+# 5 steps of batch 128 at a peak rate of 0.1 (0.2 per 256 samples): the weights move far more
+# than the tolerance, and the loss goes down.
+ARGS = [*SYNTHETIC, "--epochs", "1", "--max-steps", "5", "--batch-size", "128", "--lr", "0.2"]
+ARGS += DIST_TIMEOUT
+# Every mode: (processes, flags). "naive" leaves --devices to its default (cpu,cpu with
+# --device cpu).
 RUNS = {
     "one device": (1, ["--devices", "cpu"]),  # the reference: the unsplit model
     "naive": (1, []),
     "micro-4": (1, ["--devices", "cpu,cpu", "--microbatches", "4"]),
-    "naive-gpipe": (2, ["--schedule", "gpipe", "--microbatches", "1"]),
-    "1f1b-4": (2, ["--schedule", "1f1b", "--microbatches", "4"]),
+    "naive-gpipe": (2, ["--pipeline-schedule", "gpipe", "--microbatches", "1"]),
+    "1f1b-4": (2, ["--pipeline-schedule", "1f1b", "--microbatches", "4"]),
 }
 MODES = {"naive": 1, "micro-4": 2, "naive-gpipe": 3, "1f1b-4": 3}
+
+
+def rank_envs(world, **extra):
+    """One environment per rank for plain processes that form a group of `world` on this host."""
+    port = str(free_port())
+    return [
+        clean_env(
+            RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world)
+        )
+        | dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra)
+        for r in range(world)
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -62,20 +82,22 @@ def mp_runs(tmp_path_factory):
 
 
 def initial_model():
-    common.seed_everything(0)  # what model_parallel.py starts from (--seed 0)
+    torch.manual_seed(0)  # what model_parallel.py starts from (--seed 0)
     return model_parallel.build_model(1, 10)
 
 
 def test_default_devices_are_two_stages_on_cpu(mp_runs):
     _, proc = mp_runs("naive")
-    assert "mode 1: one process, 2 stage(s), 1 micro-batch(es) per batch, bubble 50%" in proc.stdout
-    assert "stage 0: layers 0-1 on cpu" in proc.stdout and "stage 1: layers 2-4 on cpu" in proc.stdout
+    assert "mode 1: one process, 2 stages, 1 micro-batch(es), bubble 50%" in proc.stdout
+    assert "stage 0: layers 0-1 on cpu" in proc.stdout
+    assert "stage 1: layers 2-4 on cpu" in proc.stdout
 
 
 def split_model(model, devices):
     costs = model_parallel.layer_costs(model, torch.zeros(1, 1, 28, 28))
     cuts = model_parallel.balanced_split(costs, len(devices))
-    return [model_parallel.make_stage(model, a, b).to(d) for (a, b), d in zip(cuts, devices, strict=True)]
+    pairs = zip(cuts, devices, strict=True)
+    return [model_parallel.make_stage(model, a, b).to(d) for (a, b), d in pairs]
 
 
 @pytest.mark.parametrize("stages, microbatches", [(2, 1), (3, 4)])
@@ -144,8 +166,9 @@ def test_output_contract(mp_runs, initial_test_loss, name):
     [metrics] = read_metrics(out)
     assert metrics.keys() >= METRIC_KEYS | {"world_size", "step", "lr", "stages", "microbatches"}
     world = RUNS[name][0]
-    assert (metrics["epoch"], metrics["step"], metrics["world_size"], metrics["stages"]) == (0, 5, world, 2)
-    assert metrics["epoch_seconds"] > 0 and metrics["samples_per_second"] > 0
+    got = (metrics["epoch"], metrics["step"], metrics["world_size"], metrics["stages"])
+    assert got == (0, 5, world, 2)
+    assert metrics["lr"] > 0 and metrics["epoch_seconds"] > 0 and metrics["samples_per_second"] > 0
     assert metrics["test_loss"] < initial_test_loss  # it learnt
     # The checkpoint holds the WHOLE model (both stages' weights, original names), not a stage.
     ckpt = load_ckpt(out)
@@ -153,8 +176,7 @@ def test_output_contract(mp_runs, initial_test_loss, name):
     model.load_state_dict(ckpt["model"], strict=True)
     assert list(ckpt["model"]) == list(model.state_dict())
     assert sorted(ckpt["momentum"]) == sorted(name for name, _ in model.named_parameters())
-    # 5 steps of a 15-step epoch: a resume starts epoch 0 again.
-    assert (ckpt["epoch"], ckpt["step"], len(ckpt["rng"])) == (0, 5, world)
+    assert (ckpt["epoch"], ckpt["step"]) == (0, 5)  # 5 steps of a 15-step epoch: epoch 0 again
     # Rank 0 alone prints: the mode, the split into 2 stages and one summary line.
     assert proc.stdout.count(f"mode {MODES[name]}: ") == 1
     assert proc.stdout.count("stage 1: layers") == 1
@@ -169,7 +191,8 @@ def test_evaluation_equals_one_process(mp_runs, name):
     _, test_set, num_classes, in_channels = common.load_datasets("synthetic", "data")
     model = model_parallel.build_model(in_channels, num_classes)
     model.load_state_dict(load_ckpt(out)["model"])
-    loss, acc = common.evaluate(model, DataLoader(test_set, 100, collate_fn=common.collate), torch.device("cpu"))
+    loader = DataLoader(test_set, 100, collate_fn=common.collate)
+    loss, acc = common.evaluate(model, loader, torch.device("cpu"))
     [metrics] = read_metrics(out)
     assert metrics["test_loss"] == pytest.approx(loss, abs=1e-5)
     assert metrics["test_acc"] == pytest.approx(acc, abs=1e-9)
@@ -177,15 +200,19 @@ def test_evaluation_equals_one_process(mp_runs, name):
 
 
 # Resume: 2 epochs of 7 steps, micro-batched in one process.
-RESUME_ARGS = [*SYNTHETIC, "--epochs", "2", "--batch-size", "256", "--devices", "cpu,cpu", "--microbatches", "4"]
+RESUME_ARGS = [*SYNTHETIC, "--epochs", "2", "--batch-size", "256", "--microbatches", "4"]
+ONE_PROCESS = ["--devices", "cpu,cpu"]
+# One stage per process: GPipe (1f1b needs as many micro-batches as stages: 4 >= 2 would do).
+PER_PROCESS = ["--pipeline-schedule", "gpipe", *DIST_TIMEOUT]
 
 
 @pytest.fixture(scope="module")
 def resume_runs(tmp_path_factory):
     """The whole run, and the same command stopped by --max-steps after epoch 0."""
     full, stopped = tmp_path_factory.mktemp("mp_full"), tmp_path_factory.mktemp("mp_stopped")
-    run_python(["model_parallel.py", *RESUME_ARGS, "--output-dir", full])
-    run_python(["model_parallel.py", *RESUME_ARGS, "--max-steps", "7", "--output-dir", stopped])
+    run_python(["model_parallel.py", *RESUME_ARGS, *ONE_PROCESS, "--output-dir", full])
+    argv = ["model_parallel.py", *RESUME_ARGS, *ONE_PROCESS, "--max-steps", "7"]
+    run_python([*argv, "--output-dir", stopped])
     assert (load_ckpt(stopped)["epoch"], [m["epoch"] for m in read_metrics(stopped)]) == (1, [0])
     return full, stopped
 
@@ -206,7 +233,8 @@ def test_resume_same_mode_is_exact(resume_runs, tmp_path):
     full, stopped = resume_runs
     out = tmp_path / "run"
     shutil.copytree(stopped, out)
-    proc = run_python(["model_parallel.py", *RESUME_ARGS, "--output-dir", out])  # the same command again
+    # The same command again.
+    proc = run_python(["model_parallel.py", *RESUME_ARGS, *ONE_PROCESS, "--output-dir", out])
     check_resumed(out, full, proc, atol=1e-6)
 
 
@@ -216,12 +244,47 @@ def test_resume_one_process_checkpoint_under_torchrun(resume_runs, tmp_path):
     full, stopped = resume_runs
     out = tmp_path / "run"
     shutil.copytree(stopped, out)
-    flags = [a for a in RESUME_ARGS if a not in ("--devices", "cpu,cpu")] + ["--schedule", "gpipe"]
-    proc = torchrun(2, ["model_parallel.py", *flags, *DIST_TIMEOUT, "--output-dir", out])
+    proc = torchrun(2, ["model_parallel.py", *RESUME_ARGS, *PER_PROCESS, "--output-dir", out])
     assert "mode 3: 2 processes (torchrun), gpipe" in proc.stdout
     # Rounding differs between processes and grows with every step (~1e-7 here); a resume that
     # lost the momentum is off by 1e-2, one that misplaced a stage's weights by more.
     check_resumed(out, full, proc, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_ranks_resume_from_rank_0s_checkpoint(tmp_path):
+    """A 2-process run stopped after epoch 0, rerun where rank 0 finds the checkpoint and rank 1
+    sees an empty directory (an output directory not shared between nodes). Rank 0 alone
+    decides and reads, and sends the checkpoint: both stages resume at epoch 1 and finish
+    exactly as an uninterrupted run. Had rank 1 looked for itself, it would start anew at
+    epoch 0 with fresh weights, and the stages' send/recv would not match."""
+    argv = ["model_parallel.py", *RESUME_ARGS, *PER_PROCESS, "--output-dir"]
+    straight, out, empty = tmp_path / "straight", tmp_path / "rank0", tmp_path / "rank1"
+    run_ranks([[*argv, straight], [*argv, empty]], rank_envs(2))
+    stop = ["--max-steps", "7"]
+    run_ranks([[*argv, out, *stop], [*argv, empty, *stop]], rank_envs(2))
+    assert load_ckpt(out)["epoch"] == 1 and not empty.exists()  # rank 0 alone writes
+    rank0, _ = run_ranks([[*argv, out], [*argv, empty]], rank_envs(2), timeout=150)
+    # The same processes' rounding as the straight run: equal but for the order of sums.
+    check_resumed(out, straight, rank0, atol=1e-6)
+    assert not empty.exists()
+
+
+def test_unwritable_output_dir_stops_every_rank_with_the_cause(tmp_path):
+    """Rank 0 alone checks --output-dir; the other stage must stop with rank 0's error at once,
+    not with "a peer died", and long before --dist-timeout."""
+    (tmp_path / "file").write_text("a regular file: nothing can be created under it")
+    argv = ["model_parallel.py", *SYNTHETIC, "--max-steps", "1", "--dist-timeout", "120"]
+    argv += ["--output-dir", tmp_path / "file" / "out"]
+    start = time.monotonic()
+    procs = run_ranks(argv, rank_envs(2), timeout=150, check=False)
+    assert time.monotonic() - start < 60  # well below --dist-timeout 120
+    errors = []
+    for p in procs:
+        assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+        errors.append([line for line in p.stderr.splitlines() if line.strip()][-1])
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith(f"error: output directory {tmp_path / 'file' / 'out'} is not")
 
 
 def test_balanced_split():
@@ -230,17 +293,63 @@ def test_balanced_split():
     assert model_parallel.balanced_split([1, 1, 1], 3) == [(0, 1), (1, 2), (2, 3)]
 
 
+def docstring_launches():
+    """The process count of each torchrun command in model_parallel.py's docstring."""
+    doc = model_parallel.__doc__.replace("\\\n", " ")
+    for command in re.findall(r"torchrun (.*?)model_parallel\.py", doc):
+        nodes = re.search(r"--nnodes=(\d+)", command)
+        yield int(nodes[1] if nodes else 1) * int(re.search(r"--nproc_per_node=(\d+)", command)[1])
+
+
+def test_docstring_launches_make_a_valid_number_of_stages(no_launcher, monkeypatch):
+    """Every torchrun command in the docstring makes at most as many stages as the model has
+    layers, and the default flags pass every check for that many stages: a pretended world of
+    that size gets to building its stage (which needs the real processes)."""
+    worlds = list(docstring_launches())
+    assert len(worlds) == 2 and max(worlds) > 2  # one node, and several
+    layers = len(initial_model())
+
+    class Reached(Exception):
+        pass
+
+    def make_stage(*_):
+        raise Reached
+
+    monkeypatch.setattr(model_parallel, "make_stage", make_stage)
+    for world in worlds:
+        assert 2 <= world <= layers
+        info = common.DistInfo(True, 0, 0, world, world, torch.device("cpu"))
+        with pytest.raises(Reached):
+            model_parallel.train(model_parallel.get_args(SYNTHETIC), info)
+
+
+@pytest.mark.slow
+def test_multi_node_launch_runs(tmp_path):
+    """The docstring's multi-node layout (2 nodes x 2 processes) as 4 processes on one node."""
+    world = max(docstring_launches())
+    argv = ["model_parallel.py", *ARGS, "--max-steps", "2", "--output-dir", tmp_path]
+    proc = torchrun(world, argv, timeout=240)
+    assert f"mode 3: {world} processes (torchrun), 1f1b, {world} stages" in proc.stdout
+    assert read_metrics(tmp_path)[0]["stages"] == world
+
+
 @pytest.mark.parametrize(
     "flags, world, words",
     [
-        (["--batch-size", "32", "--microbatches", "3"], 1, "--microbatches 3 does not divide --batch-size 32"),
+        (
+            ["--batch-size", "32", "--microbatches", "3"],
+            1,
+            "--microbatches 3 does not divide --batch-size 32",
+        ),
         (["--microbatches", "0"], 1, "--microbatches must be at least 1"),
-        (["--schedule", "1f1b", "--microbatches", "1"], 2, "--microbatches >= stages"),
-        ([], 6, "6 stages for a model of 5 layers"),
-        (["--devices", ",".join(["cpu"] * 6)], 1, "6 stages for a model of 5 layers: at most 5 --devices"),
+        (["--pipeline-schedule", "1f1b", "--microbatches", "1"], 2, "--microbatches >= stages"),
+        ([], 6, "6 stages for a model of 5 layers: at most 5"),
+        (["--devices", ",".join(["cpu"] * 6)], 1, "6 stages for a model of 5 layers: at most 5"),
         (["--devices", "cpu,cuda:99"], 1, "--devices: cuda:99 does not exist"),
         (["--devices", "cpu,gpu"], 1, "--devices: 'gpu' is not a device"),
         (["--devices", "cpu,cpu"], 2, "--devices is for one process"),
+        (["--warmup", "1"], 1, "--warmup is a fraction of the run"),
+        (["--momentum", "0"], 1, "--momentum must be positive"),
     ],
 )
 def test_bad_input(no_launcher, tmp_path, flags, world, words):
@@ -256,18 +365,45 @@ def test_bad_input(no_launcher, tmp_path, flags, world, words):
     assert not (tmp_path / "out").exists()
 
 
+def test_one_stage_per_process_needs_torch_2_9(no_launcher, monkeypatch):
+    """torch.distributed.pipelining before 2.9 lacks what mode 3 uses: one line naming the
+    version. Modes 1 and 2 still run there (pipelining is imported only for mode 3); 2.10 is
+    newer than 2.9, not older (a string comparison would say otherwise)."""
+    one, two = (common.DistInfo(w > 1, 0, 0, w, w, torch.device("cpu")) for w in (1, 2))
+    args = model_parallel.get_args([*SYNTHETIC, "--max-steps", "1", "--batch-size", "32"])
+    monkeypatch.setattr(torch, "__version__", "2.6.0")
+    with pytest.raises(SystemExit) as excinfo:
+        model_parallel.train(args, two)
+    assert (
+        excinfo.value.code
+        == "error: one stage per process needs PyTorch 2.9 or newer (this is 2.6.0)"
+    )
+    model_parallel.train(args, one)  # mode 1 trains a step on 2.6
+    monkeypatch.setattr(torch, "__version__", "2.10.0")
+    bad = model_parallel.get_args([*SYNTHETIC, "--batch-size", "32", "--microbatches", "3"])
+    with pytest.raises(SystemExit, match="does not divide"):  # past the version check
+        model_parallel.train(bad, two)
+
+
+def test_import_leaves_pipelining_unloaded():
+    code = "import sys, model_parallel; print('torch.distributed.pipelining' in sys.modules)"
+    assert run_python(["-c", code]).stdout.strip() == "False"
+
+
 def test_resume_refuses_a_checkpoint_without_momentum(no_launcher, tmp_path):
-    torch.save({"model": initial_model().state_dict(), "epoch": 1, "step": 5}, tmp_path / "checkpoint.pt")
+    state = {"model": initial_model().state_dict(), "epoch": 1, "step": 5}
+    torch.save(state, tmp_path / "checkpoint.pt")
     info = common.DistInfo(False, 0, 0, 1, 1, torch.device("cpu"))
+    args = model_parallel.get_args([*SYNTHETIC, "--output-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="holds no optimizer state"):
-        model_parallel.train(model_parallel.get_args([*SYNTHETIC, "--output-dir", str(tmp_path)]), info)
+        model_parallel.train(args, info)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
 
 
 def test_bad_input_real_processes(tmp_path):
     # What a user sees under torchrun: every rank stops with the same line, non-zero exit.
-    argv = ["model_parallel.py", *ARGS, "--schedule", "1f1b", "--microbatches", "1", "--output-dir", tmp_path / "o"]
-    proc = torchrun(2, argv, timeout=120, check=False)
+    argv = ["model_parallel.py", *ARGS, "--pipeline-schedule", "1f1b", "--microbatches", "1"]
+    proc = torchrun(2, [*argv, "--output-dir", tmp_path / "o"], timeout=120, check=False)
     assert proc.returncode != 0
     assert "error: 1f1b needs --microbatches >= stages (2)" in proc.stderr
     assert "]: Traceback" not in proc.stderr  # no worker traceback ("[rank1]: Traceback ...")
