@@ -1,23 +1,19 @@
 """DistributedDataParallel started by torch.multiprocessing.spawn instead of torchrun.
 
-The training is ddp_train.py's, without its advanced options (gradient compression,
-mid-epoch snapshots, --eval-only); only the launch differs, so a diff of the two files shows
-what a launcher changes. One parent process starts --nprocs children on this node, each
-running worker() with its rank; they meet at MASTER_ADDR:MASTER_PORT (this machine and a
-free port, unless set). Use it where torchrun is not at hand (a notebook, an IDE's run
-button). Use torchrun for several nodes and for restarts after a failure: when one child
-dies, mp.spawn stops the others and exits; a rerun with the same --output-dir resumes from
-the last epoch's checkpoint.
+The training is ddp_train.py's without its advanced options (mid-epoch checkpoints,
+--eval-only, accumulation); only the launch differs, so a diff of the two files shows what a
+launcher changes. One parent process starts --nprocs children on this node, each running
+worker() with its rank; they meet at MASTER_ADDR:MASTER_PORT (this machine and a free port,
+unless set). Use it where torchrun is not at hand (a notebook, an IDE's run button); use
+torchrun for several nodes and for restarts: when one child dies, mp.spawn stops the others
+and exits, and a rerun with the same --output-dir resumes from the last epoch's checkpoint.
 
-Launch:
     python ddp_mp_spawn.py --nprocs 2                     # 2 processes (CPU: gloo)
     python ddp_mp_spawn.py --nprocs 4 --epochs 10         # one per GPU (NCCL)
     MASTER_PORT=29600 python ddp_mp_spawn.py --nprocs 2   # a fixed port instead of a free one
-
-mp.spawn gives every child all the cores; init_distributed_mode() divides them
-(cores / nprocs threads each), or N processes would run N x cores threads and thrash.
 """
 
+import argparse
 import functools
 import math
 import os
@@ -30,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.lr_scheduler import OneCycleLR
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
@@ -40,6 +37,7 @@ from common import (
     append_metrics,
     broadcast_object,
     build_model,
+    check_flags,
     check_output_dir,
     cleanup,
     collate,
@@ -48,15 +46,13 @@ from common import (
     evaluate,
     fail,
     fast_forward,
-    first_line,
-    imagefolder_size,
     init_distributed_mode,
     is_main_process,
     load_checkpoint,
     load_datasets,
     load_model_state,
     load_optimizer_state,
-    peer_failed,
+    peer_failure,
     print0,
     reduce_value,
     rng_state,
@@ -70,45 +66,39 @@ from common import (
 
 def get_args(argv=None):
     p = ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nprocs", type=int, default=None, help="processes to start (default: the GPUs, or 2 on CPU)")
-    p.add_argument("--data", default="fashion-mnist", choices=DATASETS, help="data set")
-    p.add_argument("--data-dir", default="data", help="root holding the data set (torchvision layout)")
-    p.add_argument("--download", action="store_true", help="download the data set if missing")
-    p.add_argument(
-        "--image-size", type=int, default=None, help="imagefolder: crop size (default: the images' own, at most 224)"
-    )
-    p.add_argument("--model", default="cnn", choices=sorted(MODELS), help="network")
-    p.add_argument("--epochs", type=int, default=5, help="passes over the training set")
-    p.add_argument("--batch-size", type=int, default=128, help="samples per process per step")
-    p.add_argument("--lr", type=float, default=0.2, help="peak learning rate per 256 samples of global batch")
-    p.add_argument("--momentum", type=float, default=0.9, help="SGD (Nesterov) momentum")
-    p.add_argument("--weight-decay", type=float, default=5e-4, help="L2 penalty")
-    p.add_argument("--label-smoothing", type=float, default=0.1, help="for the training loss")
-    p.add_argument("--warmup", type=float, default=0.2, help="fraction of all steps spent warming up (one-cycle)")
-    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank")
-    p.add_argument("--seed", type=int, default=0, help="seed for weights and shuffling")
-    p.add_argument("--amp", default="none", choices=["none", "bf16", "fp16"], help="mixed precision")
-    p.add_argument("--no-channels-last", dest="channels_last", action="store_false", help="keep NCHW memory format")
-    p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (smoke runs); 0: no limit")
-    p.add_argument("--output-dir", default=None, help="where checkpoint.pt and metrics.jsonl go; none: write nothing")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if present")
-    p.add_argument("--dist-timeout", type=float, default=300, help="seconds before a missing peer ends the job")
+    add = p.add_argument
+    add("--nprocs", type=int, help="processes to start (default: the GPUs, or 2 on CPU)")
+    add("--data", default="fashion-mnist", choices=DATASETS, help="data set")
+    add("--data-dir", default="data", help="root holding the data set (torchvision's layout)")
+    add("--download", action="store_true", help="download the data set if it is missing")
+    add("--image-size", type=int, help="imagefolder: crop size (default: the images', <= 224)")
+    add("--model", default="cnn", choices=sorted(MODELS), help="network")
+    add("--epochs", type=int, default=5, help="passes over the training set")
+    add("--batch-size", type=int, default=128, help="samples per process per step")
+    add("--lr", type=float, default=0.2, help="peak learning rate per 256 samples of global batch")
+    add("--momentum", type=float, default=0.9, help="SGD (Nesterov) momentum")
+    add("--weight-decay", type=float, default=5e-4, help="L2 penalty")
+    add("--label-smoothing", type=float, default=0.1, help="for the training loss")
+    add("--warmup", type=float, default=0.2, help="fraction of all steps spent warming up")
+    add("--workers", type=int, default=0, help="DataLoader worker processes per rank")
+    add("--seed", type=int, default=0, help="seed for the weights and the shuffling")
+    add("--amp", default="none", choices=["none", "bf16", "fp16"], help="mixed precision")
+    nhwc = "NHWC memory format: faster convolutions (oneDNN on CPU, tensor cores on GPU)"
+    add("--channels-last", action=argparse.BooleanOptionalAction, default=True, help=nhwc)
+    add("--max-steps", type=int, default=0, help="stop after this many steps; 0: no limit")
+    add("--output-dir", help="where checkpoint.pt and metrics.jsonl go; none: write nothing")
+    add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if any")
+    add("--dist-timeout", type=float, default=300, help="seconds before a lost peer ends the job")
     args = p.parse_args(argv)
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda was asked for, but this machine has no usable CUDA device")
     if args.nprocs is None:
         args.nprocs = torch.cuda.device_count() if use_cuda else 2
-    for name in ("nprocs", "epochs", "batch_size", "image_size"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    at_least_1 = ("nprocs", "epochs", "batch_size", "image_size")
+    check_flags(args, at_least_1, ("max_steps", "workers"), ("lr", "dist_timeout"))
     if use_cuda and args.nprocs > torch.cuda.device_count():
         fail(f"--nprocs {args.nprocs} is more than the {torch.cuda.device_count()} GPU(s) here")
-    for name in ("lr", "dist_timeout"):
-        if not getattr(args, name) > 0:
-            fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.max_steps < 0 or args.workers < 0:
-        fail("--max-steps and --workers cannot be negative")
     if not 0 <= args.warmup < 1:
         fail(f"--warmup is a fraction of the run, in [0, 1); got {args.warmup}")
     return args
@@ -117,23 +107,25 @@ def get_args(argv=None):
 def train(args, info):
     device, rank, world = info.device, info.rank, info.world_size
     is_main = is_main_process()  # global rank 0: the one that writes
-    if args.data == "imagefolder" and args.image_size is None:
-        args.image_size = imagefolder_size(args.data_dir)
     seed_everything(args.seed)  # the same on every rank: identical initial weights
     train_set, test_set, num_classes, in_channels = load_datasets(
         args.data, args.data_dir, args.download, args.image_size, info.local_rank
     )
     if len(train_set) // world < args.batch_size:
-        fail(f"--batch-size {args.batch_size} is larger than one rank's shard ({len(train_set) // world} samples)")
+        shard = len(train_set) // world
+        fail(f"--batch-size {args.batch_size} is larger than one rank's shard ({shard} samples)")
 
-    # Each rank trains on a disjoint 1/world of a permutation that depends on (seed, epoch);
-    # set_epoch() below makes every epoch's order new. drop_last trims the set to a multiple
-    # of world instead of padding it with repeated samples.
-    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
-    loader_args = dict(num_workers=args.workers, collate_fn=collate, pin_memory=device.type == "cuda")
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True, **loader_args)
+    # Each rank trains on a disjoint 1/world of a permutation of (seed, epoch). drop_last
+    # trims the set to a multiple of world instead of padding it with repeats.
+    sampler = DistributedSampler(train_set, world, rank, seed=args.seed, drop_last=True)
+    loader_args = dict(num_workers=args.workers, collate_fn=collate)
+    loader_args.update(pin_memory=device.type == "cuda")
+    train_loader = DataLoader(
+        train_set, args.batch_size, sampler=sampler, drop_last=True, **loader_args
+    )
     # The test set is split without padding: every sample evaluated exactly once.
-    test_loader = DataLoader(eval_shard(test_set, rank, world), batch_size=2 * args.batch_size, **loader_args)
+    test_shard = eval_shard(test_set, rank, world)
+    test_loader = DataLoader(test_shard, 2 * args.batch_size, **loader_args)
     steps_per_epoch = len(train_loader)
     total_steps = args.epochs * steps_per_epoch
 
@@ -142,30 +134,32 @@ def train(args, info):
     model = model.to(device, memory_format=memory_format)  # `model`: saved and evaluated unwrapped
 
     # Rank 0 checks the output directory; a refusal stops every rank at once with its cause.
-    model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    out = together(lambda: check_output_dir(args.output_dir, 2 * model_bytes), run=bool(args.output_dir) and is_main)
+    check = lambda: check_output_dir(args.output_dir)  # noqa: E731
+    out = together(check, run=bool(args.output_dir) and is_main)
     global_batch = args.batch_size * world
     lr = args.lr * global_batch / 256  # linear scaling rule
     optimizer = torch.optim.SGD(
-        model.parameters(), lr=lr, momentum=args.momentum, nesterov=True, weight_decay=args.weight_decay
+        model.parameters(), lr, args.momentum, weight_decay=args.weight_decay, nesterov=True
     )
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
-    autocast = functools.partial(torch.autocast, device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
+    autocast = functools.partial(torch.autocast, device.type, amp_dtype, amp_dtype is not None)
 
     # Rank 0 alone looks for a checkpoint and reads it; the others get its copy (all ranks
     # participate), so all resume from the same step even where they would see other files.
     path = Path(args.output_dir or "", "checkpoint.pt")
-    found = together(lambda: path.is_file() and load_checkpoint(path), run=bool(args.output_dir) and is_main)
-    ckpt = broadcast_object(found)
+    load = lambda: path.is_file() and load_checkpoint(path)  # noqa: E731
+    ckpt = broadcast_object(together(load, run=bool(args.output_dir) and is_main))
     step = 0
     if ckpt:
         load_model_state(model, ckpt["model"], path)  # onto this rank's device
         saved = {"schedule": "onecycle", **ckpt["args"]}  # ddp_train.py's may name another schedule
-        changed = [k for k in ("epochs", "schedule", "warmup") if saved[k] != getattr(args, k, "onecycle")]
+        keys = ("epochs", "schedule", "warmup")
+        changed = [k for k in keys if saved[k] != getattr(args, k, "onecycle")]
         if changed:  # the schedule is a function of these: it cannot go on where it was
             was = ", ".join(f"--{k} {saved[k]}" for k in changed)
-            fail(f"{path} was trained with {was}; resume with the same, or start anew in another --output-dir")
+            again = "resume with the same, or start anew in another --output-dir"
+            fail(f"{path} was trained with {was}; {again}")
         load_optimizer_state(optimizer, ckpt["optimizer"])  # momentum buffers; this run's flags
         if ckpt["scaler"]:  # empty when saved without fp16
             scaler.load_state_dict(ckpt["scaler"])
@@ -173,18 +167,13 @@ def train(args, info):
         # with another --nprocs: the schedule's place is the same, its peak this run's.
         step = ckpt["epoch"] * steps_per_epoch
         if ckpt["epoch_step"] == 0 and ckpt["world_size"] == world:
-            set_rng_state(ckpt["rng"][rank])
+            set_rng_state(ckpt["rng"][rank], device)
         print0(f"resumed from {path} at epoch {ckpt['epoch']}")
     # Made after the optimizer's state is loaded: OneCycleLR writes this run's peak (another
     # --nprocs scales it) into the optimizer.
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer,
-        max_lr=lr,
-        total_steps=total_steps,
-        pct_start=max(args.warmup, 1e-3),
-        anneal_strategy="cos",
-        cycle_momentum=False,  # keep Nesterov momentum fixed; only the rate cycles
-    )
+    # Cosine warm-up and decay; cycle_momentum=False keeps Nesterov's momentum fixed.
+    warmup = max(args.warmup, 1e-3)
+    scheduler = OneCycleLR(optimizer, lr, total_steps, pct_start=warmup, cycle_momentum=False)
     fast_forward(scheduler, step)
     start_epoch = step // steps_per_epoch
     if out:
@@ -197,21 +186,25 @@ def train(args, info):
         ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     size = "x".join(map(str, train_set[0][0].shape[-2:]))
     print0(
-        f"{args.model} on {args.data} ({size} images): {world} process(es) from mp.spawn on {device.type}, "
-        f"global batch {global_batch}, peak lr {lr:.3g}, {steps_per_epoch} steps/epoch"
+        f"{args.model} on {args.data} ({size} images): {world} process(es) from mp.spawn on "
+        f"{device.type}, global batch {global_batch}, peak lr {lr:.3g}, "
+        f"{steps_per_epoch} steps/epoch"
     )
     for epoch in range(start_epoch, args.epochs):
         if args.max_steps and step >= args.max_steps:
             break
         sampler.set_epoch(epoch)  # without it every epoch repeats epoch 0's order
         ddp_model.train()
-        loss_sum, seen = torch.zeros((), device=device, dtype=torch.float64), 0  # no .item() per step
+        # Sums stay on the device: .item() would stall a GPU every step.
+        loss_sum, seen = torch.zeros(2, device=device, dtype=torch.float64)
         t0 = time.perf_counter()
-        for images, labels in tqdm(train_loader, desc=f"epoch {epoch}", disable=not is_main, leave=False):
+        bar = tqdm(train_loader, desc=f"epoch {epoch}", disable=not is_main, leave=False)
+        for images, labels in bar:
             images = images.to(device, non_blocking=True).contiguous(memory_format=memory_format)
             labels = labels.to(device, non_blocking=True)
             with autocast():
-                loss = F.cross_entropy(ddp_model(images), labels, label_smoothing=args.label_smoothing)
+                logits = ddp_model(images)
+                loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
             scaler.scale(loss).backward()  # DDP averages the gradients over all ranks here
             scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
             scaler.update()
@@ -224,52 +217,34 @@ def train(args, info):
                 break
         # One all-reduce per epoch for the log line (all ranks participate): every rank sees
         # the same sum, so a non-finite loss stops them all together.
-        totals = reduce_value(torch.stack([loss_sum, torch.tensor(seen, device=device, dtype=torch.float64)]))
+        totals = reduce_value(torch.stack([loss_sum, seen]))
         epoch_seconds = time.perf_counter() - t0
         train_loss = (totals[0] / totals[1]).item()
         if not math.isfinite(train_loss):
-            fail(f"non-finite training loss in epoch {epoch}: lower --lr, or use --amp bf16 instead of fp16")
+            fix = "lower --lr, or use --amp bf16 instead of fp16"
+            fail(f"non-finite training loss in epoch {epoch}: {fix}")
         # BatchNorm's running statistics are per rank: take rank 0's, so that every rank
         # evaluates (and rank 0 saves) the same model.
         for buffer in model.buffers() if info.distributed else []:
             dist.broadcast(buffer, src=0)  # all ranks participate
-        test_loss, test_acc = evaluate(model, test_loader, device, autocast())  # all ranks participate
-        record = dict(
-            epoch=epoch,
-            step=step,
-            train_loss=train_loss,
-            test_loss=test_loss,
-            test_acc=test_acc,
-            epoch_seconds=epoch_seconds,
-            samples_per_second=totals[1].item() / epoch_seconds,
-            lr=scheduler.get_last_lr()[0],
-            world_size=world,
-        )
-        print0(
-            f"epoch {epoch}: train_loss {train_loss:.4f} test_loss {test_loss:.4f} "
-            f"test_acc {test_acc:.4f} {epoch_seconds:.1f}s {record['samples_per_second']:.0f} samples/s"
-        )
-        rngs = [rng_state()]
+        test_loss, test_acc = evaluate(model, test_loader, device, autocast())  # all participate
+        speed = totals[1].item() / epoch_seconds
+        record = dict(epoch=epoch, step=step, train_loss=train_loss, test_loss=test_loss)
+        record.update(test_acc=test_acc, epoch_seconds=epoch_seconds, samples_per_second=speed)
+        record.update(lr=scheduler.get_last_lr()[0], world_size=world)
+        losses = f"train_loss {train_loss:.4f} test_loss {test_loss:.4f} test_acc {test_acc:.4f}"
+        print0(f"epoch {epoch}: {losses} {epoch_seconds:.1f}s {speed:.0f} samples/s")
+        rngs = [rng_state(device)]
         if info.distributed:
             rngs = [None] * world
-            dist.all_gather_object(rngs, rng_state())  # every rank's, for an exact resume
+            dist.all_gather_object(rngs, rng_state(device))  # every rank's, for an exact resume
         if out:  # global rank 0
-            append_metrics(out / "metrics.jsonl", record)  # first: a resume trims a line without weights
-            epoch_step = step - epoch * steps_per_epoch
-            done = epoch_step == steps_per_epoch
-            state = dict(
-                model=model.state_dict(),
-                optimizer=optimizer.state_dict(),
-                scheduler=scheduler.state_dict(),
-                scaler=scaler.state_dict(),
-                epoch=epoch + 1 if done else epoch,  # the epoch to continue
-                epoch_step=0 if done else epoch_step,
-                step=step,
-                steps_per_epoch=steps_per_epoch,
-                world_size=world,
-                rng=rngs,
-                args=vars(args),
-            )
+            append_metrics(out / "metrics.jsonl", record)  # first: a resume trims its line
+            epoch, epoch_step = divmod(step, steps_per_epoch)  # the epoch to go on with
+            state = dict(model=model.state_dict(), optimizer=optimizer.state_dict())
+            state.update(scaler=scaler.state_dict(), scheduler=scheduler.state_dict())
+            state.update(epoch=epoch, epoch_step=epoch_step, step=step, rng=rngs)
+            state.update(steps_per_epoch=steps_per_epoch, world_size=world, args=vars(args))
             save_checkpoint(state, out / "checkpoint.pt")
 
 
@@ -280,11 +255,9 @@ def worker(rank, args):
     try:
         train(args, info)
         if info.distributed:
-            dist.barrier()  # leave together (all ranks participate): a rank's early exit looks like a crash
+            dist.barrier()  # leave together (all ranks participate)
     except RuntimeError as e:
-        if not peer_failed(e):
-            raise
-        fail(f"rank {rank}: another process died or stopped responding ({first_line(e).split('. ')[0]})")
+        raise peer_failure(e, info) from None
     finally:
         cleanup()  # also when training raised: peers are not left waiting on a dead group
 
@@ -295,13 +268,15 @@ def main(argv=None):
     # srun/mpirun tasks, each copy would spawn a group of its own.
     launched = detect_launcher()
     if launched and (launched["launcher"] == "torchrun" or launched["world_size"] > 1):
-        fail(f"ddp_mp_spawn.py starts its own processes: run it with plain python, not {launched['launcher']}")
+        how = f"run it with plain python, not {launched['launcher']}"
+        fail(f"ddp_mp_spawn.py starts its own processes: {how}")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # one node: the children meet here
     with socket.socket() as s:
         try:  # the given port must be free; port 0 asks the OS for a free one
             s.bind((os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", 0))))
         except OSError as e:
-            fail(f"MASTER_PORT {os.environ['MASTER_PORT']} is busy ({e.strerror}); choose another or unset it")
+            port = os.environ["MASTER_PORT"]
+            fail(f"MASTER_PORT {port} is busy ({e.strerror}); choose another or unset it")
         # Released when the block ends; another program could take it before rank 0 binds it
         # (a small race): set MASTER_PORT to choose one yourself.
         os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
@@ -310,11 +285,13 @@ def main(argv=None):
         mp.spawn(worker, args=(args,), nprocs=args.nprocs, join=True)
     except mp.ProcessExitedException as e:
         if not e.signal_name:  # the child said why itself (its "error: ..." line is above)
-            fail(f"process {e.error_index} of {args.nprocs} exited with code {e.exit_code}; the others were stopped")
+            which = f"process {e.error_index} of {args.nprocs}"
+            fail(f"{which} exited with code {e.exit_code}; the others were stopped")
         # Killed (out of memory, pre-empted): mp.spawn never restarts a process (torchrun
         # --max-restarts does), but a rerun picks up the last checkpoint.
         again = f"; rerun to resume from {args.output_dir}" if args.output_dir else ""
-        fail(f"process {e.error_index} of {args.nprocs} was killed by {e.signal_name}; the others were stopped{again}")
+        which = f"process {e.error_index} of {args.nprocs} was killed by {e.signal_name}"
+        fail(f"{which}; the others were stopped{again}")
     except mp.ProcessRaisedException as e:
         fail(f"process {e.error_index} of {args.nprocs} raised {str(e).strip().splitlines()[-1]}")
 

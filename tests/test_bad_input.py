@@ -10,6 +10,7 @@ import torch
 from conftest import SYNTHETIC, run_python
 
 import common
+import ddp_comm
 import ddp_mp_spawn
 import ddp_train
 import dp_train
@@ -205,7 +206,7 @@ def test_resume_may_switch_to_fp16(no_launcher, tmp_path):
 
 
 def test_powersgd_with_fp16_is_refused(no_launcher):
-    assert "--amp fp16" in fails(ddp_train.main, [*CHEAP, "--comm-hook", "powersgd", "--amp", "fp16"])
+    assert "--amp fp16" in fails(ddp_comm.main, [*CHEAP, "--comm-hook", "powersgd", "--amp", "fp16"])
 
 
 def test_a_check_on_rank_0_stops_every_rank_with_its_cause(tmp_path):

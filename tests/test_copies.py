@@ -1,17 +1,22 @@
-"""The three copies of the data-parallel loop cannot drift apart unnoticed.
+"""The copies of the data-parallel loop cannot drift apart unnoticed.
 
-dp_train.py (one process, nn.DataParallel), ddp_mp_spawn.py (2 processes from mp.spawn) and
-ddp_train.py (torchrun, 2 processes) each hold their own training loop. From the same seed
-and the same global batch (32 = 2 x 16) they must take the same optimizer steps: the same
-samples in each step (DistributedSampler's permutation, or dp_train's RandomSampler reseeded
-the same way), the same scaled learning rate and schedule, the same loss. The MLP has no
-BatchNorm, so 2 processes equal one up to float rounding. Checked straight through 2 epochs
-and across a stop after the first epoch and a resume.
+dp_train.py (one process, nn.DataParallel), ddp_mp_spawn.py (2 processes from mp.spawn),
+ddp_train.py and ddp_comm.py (torchrun, 2 processes) each hold their own training loop. From
+the same seed and the same global batch (32 = 2 x 16) they must take the same optimizer
+steps: the same samples in each step (DistributedSampler's permutation, or dp_train's
+RandomSampler reseeded the same way), the same scaled learning rate and schedule, the same
+loss. The MLP has no BatchNorm, so 2 processes equal one up to float rounding. Checked
+straight through 2 epochs and across a stop after the first epoch and a resume. And
+ddp_comm.py keeps ddp_train.py's lines word for word.
 """
+
+import difflib
+import inspect
 
 import pytest
 from conftest import (
     DIST_TIMEOUT,
+    ROOT,
     SYNTHETIC,
     clean_env,
     free_port,
@@ -23,11 +28,24 @@ from conftest import (
 )
 
 import common
+import ddp_train
 
 # 62 steps per epoch (2000 samples, global batch 32), 2 epochs. The rate is high enough that
 # the weights move far more than the tolerance.
 # Every shared hyper-parameter away from its default: a copy that ignored one would differ.
-ARGS = [*SYNTHETIC, "--model", "mlp", "--epochs", "2", "--lr", "0.8", "--warmup", "0.1", "--seed", "3"]
+ARGS = [
+    *SYNTHETIC,
+    "--model",
+    "mlp",
+    "--epochs",
+    "2",
+    "--lr",
+    "0.8",
+    "--warmup",
+    "0.1",
+    "--seed",
+    "3",
+]
 ARGS += ["--momentum", "0.8", "--weight-decay", "1e-3", "--label-smoothing", "0.2"]
 EPOCH = ["--max-steps", "62"]
 ATOL = 1e-4  # 124 steps of float rounding apart; the weights move by more than 0.05
@@ -39,15 +57,33 @@ def dp(out, *extra):
 
 def mp_spawn(out, *extra):
     run_python(
-        ["ddp_mp_spawn.py", "--nprocs", "2", *ARGS, *DIST_TIMEOUT, "--batch-size", "16", "--output-dir", out, *extra]
+        [
+            "ddp_mp_spawn.py",
+            "--nprocs",
+            "2",
+            *ARGS,
+            *DIST_TIMEOUT,
+            "--batch-size",
+            "16",
+            "--output-dir",
+            out,
+            *extra,
+        ]
     )
 
 
 def ddp(out, *extra):
-    torchrun(2, ["ddp_train.py", *ARGS, *DIST_TIMEOUT, "--batch-size", "16", "--output-dir", out, *extra])
+    torchrun(
+        2, ["ddp_train.py", *ARGS, *DIST_TIMEOUT, "--batch-size", "16", "--output-dir", out, *extra]
+    )
 
 
-LAUNCH = {"dp_train": dp, "ddp_mp_spawn": mp_spawn, "ddp_train": ddp}
+def comm(out, *extra):  # no communication option: plain DDP
+    argv = [*ARGS, *DIST_TIMEOUT, "--batch-size", "16", "--output-dir", out, *extra]
+    torchrun(2, ["ddp_comm.py", *argv])
+
+
+LAUNCH = {"dp_train": dp, "ddp_mp_spawn": mp_spawn, "ddp_train": ddp, "ddp_comm": comm}
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +108,7 @@ def test_the_weights_moved(straight):
     assert max_abs_diff(initial, straight["model"]) > 50 * ATOL
 
 
-@pytest.mark.parametrize("script", ["ddp_mp_spawn", "ddp_train"])
+@pytest.mark.parametrize("script", ["ddp_mp_spawn", "ddp_train", "ddp_comm"])
 def test_same_weights_as_dataparallel(straight, tmp_path, script):
     LAUNCH[script](tmp_path)
     ckpt = load_ckpt(tmp_path)
@@ -97,7 +133,10 @@ def test_ranks_resume_from_rank_0s_checkpoint(straight, stopped, tmp_path):
     resume from step 62 and finish as an uninterrupted run would. Had rank 1 looked for itself,
     it would start from step 0 and the ranks' collectives would not match."""
     port = str(free_port())
-    envs = [clean_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for r in range(2)]
+    envs = [
+        clean_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        for r in range(2)
+    ]
     empty = tmp_path / "rank1"
     argv = ["ddp_train.py", *ARGS, *DIST_TIMEOUT, "--batch-size", "16", "--output-dir"]
     rank0, _ = run_ranks([[*argv, stopped], [*argv, empty]], envs, timeout=120)
@@ -106,3 +145,36 @@ def test_ranks_resume_from_rank_0s_checkpoint(straight, stopped, tmp_path):
     assert ckpt["step"] == 124
     assert max_abs_diff(ckpt["model"], straight["model"]) < ATOL
     assert not (empty / "checkpoint.pt").exists()  # only rank 0 writes
+
+
+def test_ddp_comm_keeps_every_line_of_ddp_train():
+    """ddp_comm.py is ddp_train.py plus marked lines, minus the options it leaves out: every
+    other line of ddp_train.py must appear in it, in order. A line changed in one copy alone
+    shows here as a line of ddp_train.py that ddp_comm.py lacks."""
+    train = (ROOT / "ddp_train.py").read_text().splitlines()
+    comm = (ROOT / "ddp_comm.py").read_text().splitlines()
+    left_out = (
+        "image_size",
+        "image-size",
+        "SyncBatchNorm",
+        "random_crop_flip",
+        "augment",
+        "sync_bn",
+        "sync-bn",
+        "eval_only",
+        "eval-only",
+    )
+    main = inspect.getsource(ddp_train.main)
+    eval_only = main.split("        if args.eval_only:\n")[1].split("            return\n")[0]
+    # ddp_comm.py makes either optimizer from one dict of settings (--zero).
+    sgd = main.split("        optimizer = torch.optim.SGD(\n")[1].split("        )\n")[0]
+    allowed = {"", *inspect.getsource(ddp_train.random_crop_flip).splitlines()}
+    allowed |= {*eval_only.splitlines(), "            return", *sgd.splitlines()}
+    allowed |= {"        optimizer = torch.optim.SGD(", "        )"}
+    body = train.index('"""', 1) + 1  # after the module docstring
+    lost = []
+    ops = difflib.SequenceMatcher(None, train, comm, autojunk=False).get_opcodes()
+    for tag, i1, i2, _, _ in ops:
+        if tag in ("delete", "replace"):
+            lost += [ln for ln in train[max(i1, body) : i2] if ln not in allowed]
+    assert [ln for ln in lost if not any(w in ln for w in left_out)] == []

@@ -277,7 +277,7 @@ def test_comm_hook_fp16(run):
     the global batch of 32 take one process's steps; fp16 compression rounds the gradient to
     about 3 digits, no more."""
     nproc = min(GPUS, 2)
-    out, _ = run("ddp_train.py", [*MLP, "--batch-size", str(32 // nproc), "--comm-hook", "fp16"], nproc=nproc)
+    out, _ = run("ddp_comm.py", [*MLP, "--batch-size", str(32 // nproc), "--comm-hook", "fp16"], nproc=nproc)
     ckpt, _ = check_contract(out, ddp_model("mlp"))
     assert ckpt["world_size"] == nproc
     reference, _ = run("ddp_train.py", MLP, nproc=1)

@@ -1,4 +1,4 @@
-"""Local SGD (--local-sgd-period) and ZeRO (--zero) in ddp_train.py, 2 processes on gloo.
+"""Local SGD (--local-sgd-period) and ZeRO (--zero) in ddp_comm.py, 2 processes on gloo.
 
 Local SGD: between averaging steps the ranks' weights differ and nothing is sent; right after
 one they are identical; over K steps it sends 1/K of plain DDP's bytes; with K = 1 it is plain
@@ -23,11 +23,11 @@ from conftest import (
 )
 
 import common
-import ddp_train
+import ddp_comm
 
 ATOL = 1e-5  # 2 processes against one: 5 steps of float rounding, as in test_parity.py
 
-# Run under torchrun in place of ddp_train.py, it records on each rank: the bytes handed to
+# Run under torchrun in place of ddp_comm.py, it records on each rank: the bytes handed to
 # the collectives and the MLP's weights before each training forward, that is after 0, 1, 2, ...
 # optimizer steps and whatever followed them (an averaging); with --zero, the numbers held in
 # the optimizer's state after each step.
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 sys.path.insert(0, {str(ROOT)!r})
-import common, ddp_train
+import common, ddp_comm
 
 sent, records = [0], []
 def counted(collective):
@@ -59,14 +59,14 @@ def step_and_count(self, *args, **kwargs):
     return loss
 ZeroRedundancyOptimizer.step = step_and_count
 
-ddp_train.main(sys.argv[1:])
+ddp_comm.main(sys.argv[1:])
 out = sys.argv[sys.argv.index("--output-dir") + 1]
 torch.save(dict(records=records, held=held), os.path.join(out, f"rank{{os.environ['RANK']}}.pt"))
 """
 
 
 def probe(tmp_path, nproc, args):
-    """torchrun ddp_train.py's `args` (--output-dir tmp_path) under PROBE; its output, and what each rank recorded."""
+    """torchrun ddp_comm.py's `args` (--output-dir tmp_path) under PROBE; its output, and what each rank recorded."""
     (tmp_path / "probe.py").write_text(PROBE)
     proc = torchrun(nproc, [tmp_path / "probe.py", *args, "--output-dir", tmp_path])
     return proc, [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(nproc)]
@@ -107,7 +107,7 @@ def test_local_sgd_with_period_1_is_plain_ddp(tmp_path, mlp_reference):
     # Average after every step: the mean of the ranks' SGD steps is the step on the mean
     # gradient (weight decay and momentum are linear), that is DDP's, up to rounding.
     flags = ["--local-sgd-period", "1", "--local-sgd-start", "0"]
-    torchrun(2, ["ddp_train.py", *MLP_ARGS, "--batch-size", "16", *flags, "--output-dir", tmp_path])
+    torchrun(2, ["ddp_comm.py", *MLP_ARGS, "--batch-size", "16", *flags, "--output-dir", tmp_path])
     ckpt, reference = load_ckpt(tmp_path), load_ckpt(mlp_reference)
     assert ckpt["step"] == reference["step"] == 5
     assert_state_close(ckpt["model"], reference["model"], atol=ATOL)
@@ -120,9 +120,9 @@ def test_local_sgd_resume_goes_on_exactly(tmp_path):
     # stopping at the step-6 snapshot (mid-period: averaged at 8, 12) and resuming ends where a
     # run that saved at step 6 and went on does, bit for bit.
     args = [*MLP_ARGS, "--batch-size", "16", "--local-sgd-period", "4", "--local-sgd-start", "4", "--save-every", "6"]
-    torchrun(2, ["ddp_train.py", *args, "--max-steps", "12", "--output-dir", tmp_path / "straight"])
-    torchrun(2, ["ddp_train.py", *args, "--max-steps", "6", "--output-dir", tmp_path / "stopped"])
-    proc = torchrun(2, ["ddp_train.py", *args, "--max-steps", "12", "--output-dir", tmp_path / "stopped"])
+    torchrun(2, ["ddp_comm.py", *args, "--max-steps", "12", "--output-dir", tmp_path / "straight"])
+    torchrun(2, ["ddp_comm.py", *args, "--max-steps", "6", "--output-dir", tmp_path / "stopped"])
+    proc = torchrun(2, ["ddp_comm.py", *args, "--max-steps", "12", "--output-dir", tmp_path / "stopped"])
     assert "resumed from" in proc.stdout and "step 6 of" in proc.stdout
     straight, resumed = load_ckpt(tmp_path / "straight"), load_ckpt(tmp_path / "stopped")
     assert straight["step"] == resumed["step"] == 12
@@ -138,7 +138,7 @@ def test_local_sgd_resume_goes_on_exactly(tmp_path):
 def zero_stopped(tmp_path_factory):
     """2 processes with --zero, stopped after 2 of MLP_ARGS's 5 steps."""
     out = tmp_path_factory.mktemp("zero_stopped")
-    torchrun(2, ["ddp_train.py", *MLP_ARGS, "--batch-size", "16", "--zero", "--max-steps", "2", "--output-dir", out])
+    torchrun(2, ["ddp_comm.py", *MLP_ARGS, "--batch-size", "16", "--zero", "--max-steps", "2", "--output-dir", out])
     return out
 
 
@@ -155,7 +155,7 @@ def test_zero_resumed_equals_plain_ddp(tmp_path, zero_stopped, mlp_reference):
     out = tmp_path / "run"
     out.mkdir()
     (out / "checkpoint.pt").write_bytes((zero_stopped / "checkpoint.pt").read_bytes())
-    proc = torchrun(2, ["ddp_train.py", *MLP_ARGS, "--batch-size", "16", "--zero", "--output-dir", out])
+    proc = torchrun(2, ["ddp_comm.py", *MLP_ARGS, "--batch-size", "16", "--zero", "--output-dir", out])
     assert "resumed from" in proc.stdout and "at epoch 0, step 2" in proc.stdout
     ckpt, reference = load_ckpt(out), load_ckpt(mlp_reference)
     assert ckpt["step"] == 5
@@ -169,9 +169,9 @@ def test_zero_checkpoint_loads_at_another_world_size(tmp_path, zero_stopped):
     # process with plain SGD, the same global batch of 48. Another world size restarts the
     # epoch: both train 5 steps from the checkpoint's weights and momentum.
     resume = ["--resume", zero_stopped / "checkpoint.pt"]
-    run_python(["ddp_train.py", *MLP_ARGS, "--batch-size", "48", *resume, "--output-dir", tmp_path / "one"])
+    run_python(["ddp_comm.py", *MLP_ARGS, "--batch-size", "48", *resume, "--output-dir", tmp_path / "one"])
     proc = torchrun(
-        3, ["ddp_train.py", *MLP_ARGS, "--batch-size", "16", "--zero", *resume, "--output-dir", tmp_path / "three"]
+        3, ["ddp_comm.py", *MLP_ARGS, "--batch-size", "16", "--zero", *resume, "--output-dir", tmp_path / "three"]
     )
     assert "resumed from" in proc.stdout and "3 process(es)" in proc.stdout
     one, three = load_ckpt(tmp_path / "one"), load_ckpt(tmp_path / "three")
@@ -217,11 +217,13 @@ def error_line(main, argv):
         (["--local-sgd-period", "4", "--comm-hook", "fp16"], "--comm-hook"),
         (["--local-sgd-period", "4", "--zero"], "--zero"),
         (["--local-sgd-start", "3"], "needs --local-sgd-period"),
+        # Each rank's GradScaler would skip its own overflowed steps; only rank 0's is saved.
+        (["--local-sgd-period", "4", "--amp", "fp16"], "cannot take --amp fp16"),
         (["--local-sgd-period", "0"], "--local-sgd-period must be at least 1"),
         (["--local-sgd-period", "2", "--local-sgd-start", "-1"], "--local-sgd-start cannot be negative"),
     ],
 )
 def test_bad_combination_is_one_line(tmp_path, flags, words):
     out = tmp_path / "out"
-    assert words in error_line(ddp_train.main, [*SYNTHETIC, "--max-steps", "1", *flags, "--output-dir", out])
+    assert words in error_line(ddp_comm.main, [*SYNTHETIC, "--max-steps", "1", *flags, "--output-dir", out])
     assert not out.exists()  # refused before anything was written

@@ -1,0 +1,486 @@
+"""What DDP sends, and sending less: ddp_train.py's loop plus communication options.
+
+Plain DDP all-reduces every gradient each step, bucket by bucket while backward still runs.
+Where the network bounds the step (many nodes, slow links) or the optimizer state does not
+fit: --comm-hook fp16|bf16 halves the bytes; --comm-hook powersgd sends two rank-r factors
+per gradient matrix (Vogels et al., 2019); --local-sgd-period K lets each rank step alone and
+averages the weights every K steps (Lin et al., 2018); --zero keeps each rank's share of the
+momentum only (ZeRO-1, Rajbhandari et al., 2020). The run prints what each rank sends.
+
+    torchrun --standalone --nproc_per_node=2 ddp_comm.py --comm-hook bf16
+    torchrun --standalone --nproc_per_node=2 ddp_comm.py --local-sgd-period 8
+
+A copy of ddp_train.py (which also has --augment, --sync-bn and --eval-only): the lines it
+adds are marked "# comm"; `diff ddp_train.py ddp_comm.py` shows them.
+"""
+
+import argparse
+import contextlib
+import functools
+import itertools
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as hooks  # comm
+from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook, powerSGD_hook  # comm
+from torch.distributed.optim import ZeroRedundancyOptimizer  # comm
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.lr_scheduler import LambdaLR, OneCycleLR
+from torch.utils.data import DataLoader, DistributedSampler
+from tqdm import tqdm
+
+from common import (
+    DATASETS,
+    MODELS,
+    ArgumentParser,
+    append_metrics,
+    broadcast_object,
+    build_model,
+    check_flags,
+    check_output_dir,
+    cleanup,
+    collate,
+    eval_shard,
+    evaluate,
+    fail,
+    fast_forward,
+    init_distributed_mode,
+    load_checkpoint,
+    load_datasets,
+    load_model_state,
+    load_optimizer_state,
+    peer_failure,
+    print0,
+    reduce_value,
+    rng_state,
+    save_checkpoint,
+    seed_everything,
+    set_rng_state,
+    together,
+    trim_metrics,
+)
+
+
+def get_args(argv=None):
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    add = p.add_argument
+    add("--data", default="fashion-mnist", choices=DATASETS, help="data set")
+    add("--data-dir", default="data", help="root holding the data set (torchvision's layout)")
+    add("--download", action="store_true", help="download the data set if it is missing")
+    add("--model", default="cnn", choices=sorted(MODELS), help="network")
+    add("--epochs", type=int, default=5, help="passes over the training set")
+    add("--batch-size", type=int, default=128, help="samples per process per micro-batch")
+    add("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
+    add("--lr", type=float, default=0.2, help="peak learning rate per 256 samples of global batch")
+    add("--momentum", type=float, default=0.9, help="SGD (Nesterov) momentum")
+    add("--weight-decay", type=float, default=5e-4, help="L2 penalty")
+    add("--label-smoothing", type=float, default=0.1, help="for the training loss")
+    add("--schedule", default="onecycle", choices=["onecycle", "cosine"], help="lr schedule")
+    add("--warmup", type=float, default=0.2, help="fraction of all steps spent warming up")
+    add("--workers", type=int, default=0, help="DataLoader worker processes per rank")
+    add("--seed", type=int, default=0, help="seed for the weights and the shuffling")
+    add("--amp", default="none", choices=["none", "bf16", "fp16"], help="mixed precision")
+    add("--compile", action="store_true", help="torch.compile the model")
+    nhwc = "NHWC memory format: faster convolutions (oneDNN on CPU, tensor cores on GPU)"
+    add("--channels-last", action=argparse.BooleanOptionalAction, default=True, help=nhwc)
+    add("--clip-grad", type=float, default=0.0, help="max gradient norm; 0: no clipping")
+    add("--resume", help="checkpoint to resume from (default: OUTPUT_DIR/checkpoint.pt if any)")
+    add("--max-steps", type=int, default=0, help="stop after this many steps; 0: no limit")
+    add("--output-dir", help="where checkpoint.pt and metrics.jsonl go; none: write nothing")
+    add("--save-every", type=int, default=0, help="steps between mid-epoch checkpoints; 0: none")
+    add("--log-every", type=int, default=50, help="steps between progress and NaN checks")
+    add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if any")
+    add("--backend", choices=["gloo", "nccl", "mpi"], help="default: nccl on CUDA, else gloo")
+    add("--dist-timeout", type=float, default=300, help="seconds before a lost peer ends the job")
+    # comm: the options this script adds
+    hook_help = "compress the gradients' all-reduce"
+    add("--comm-hook", default="none", choices=["none", "fp16", "bf16", "powersgd"], help=hook_help)
+    add("--powersgd-rank", type=int, default=4, help="powersgd: rank of each matrix's factors")
+    add("--powersgd-start", type=int, help="powersgd: plain steps first (default: warm-up's)")
+    add("--local-sgd-period", type=int, help="local SGD: average the weights every K steps")
+    add("--local-sgd-start", type=int, help="local SGD: plain steps first (default: warm-up's)")
+    add("--zero", action="store_true", help="shard SGD's momentum over the ranks (ZeRO-1)")
+    args = p.parse_args(argv)
+    at_least_1 = ("epochs", "batch_size", "accum_steps", "log_every")
+    at_least_1 += ("powersgd_rank", "local_sgd_period")  # comm
+    not_negative = ("max_steps", "clip_grad", "workers", "save_every")
+    not_negative += ("powersgd_start", "local_sgd_start")  # comm
+    check_flags(args, at_least_1, not_negative, positive=("lr", "dist_timeout"))
+    if not 0 <= args.warmup < 1:
+        fail(f"--warmup is a fraction of the run, in [0, 1); got {args.warmup}")
+    if args.save_every and not args.output_dir:
+        fail("--save-every needs --output-dir (where the checkpoints go)")
+    # comm: combinations that cannot work
+    if args.amp == "fp16" and (args.comm_hook == "powersgd" or args.local_sgd_period):
+        # PowerSGD: one overflow puts inf into its error feedback, added to every later
+        # gradient. Local SGD: each rank's GradScaler would skip other steps than the others'.
+        fail("--comm-hook powersgd and --local-sgd-period cannot take --amp fp16; use bf16")
+    if args.local_sgd_start is not None and not args.local_sgd_period:
+        fail("--local-sgd-start needs --local-sgd-period")
+    if args.local_sgd_period and (args.comm_hook != "none" or args.zero):
+        # No gradients to compress; and ZeRO steps each rank's shard with averaged gradients.
+        fail("--local-sgd-period all-reduces no gradients: it cannot take --comm-hook or --zero")
+    return args
+
+
+class ResumableSampler(DistributedSampler):
+    """A DistributedSampler that can start part-way into an epoch: its order depends only on
+    (seed, epoch), so leaving out the first `skip` indices goes on exactly where a checkpoint
+    was taken, without loading the skipped samples."""
+
+    skip = 0
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self):
+        return super().__len__() - self.skip
+
+
+def make_scheduler(optimizer, args, total_steps):
+    if args.schedule == "onecycle":
+        # Cosine warm-up and decay; cycle_momentum=False keeps Nesterov's momentum fixed.
+        peaks = [g["lr"] for g in optimizer.param_groups]
+        warmup = max(args.warmup, 1e-3)
+        return OneCycleLR(optimizer, peaks, total_steps, pct_start=warmup, cycle_momentum=False)
+    warmup = max(1, int(args.warmup * total_steps))
+
+    def factor(step):  # linear warm-up to the peak, then cosine decay to zero
+        if step < warmup:
+            return (step + 1) / warmup
+        done = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return 0.5 * (1 + math.cos(math.pi * done))
+
+    return LambdaLR(optimizer, factor)
+
+
+def register_comm_hook(model, args, step, total_steps):  # comm
+    """Replace DDP's all-reduce of each gradient bucket; returns the hook's state. Both
+    PowerSGD and local SGD begin with plain steps (the warm-up's by default): early training
+    is the most sensitive."""
+    if args.comm_hook in ("fp16", "bf16"):
+        model.register_comm_hook(None, getattr(hooks, f"{args.comm_hook}_compress_hook"))
+        return None
+    start = args.local_sgd_start if args.local_sgd_period else args.powersgd_start
+    start = int(args.warmup * total_steps) if start is None else start
+    if args.local_sgd_period:
+        # After `start`, nothing is all-reduced: each rank keeps its own gradients.
+        state = post_localSGD_hook.PostLocalSGDState(None, None, start, False)
+        state.iter = step  # it counts steps: go on from the checkpoint's
+        model.register_comm_hook(state, post_localSGD_hook.post_localSGD_hook)
+        return state
+    # It counts steps from 0, also after a resume, and its error feedback (per rank, not
+    # saved) restarts at zero; two plain steps first (DDP rebuilds its buckets after one).
+    # One seed on every rank: the random factors must agree.
+    first = max(2, start - step)
+    state = powerSGD_hook.PowerSGDState(None, args.powersgd_rank, first, random_seed=args.seed)
+    hook = powerSGD_hook.powerSGD_hook
+    model.register_comm_hook(state, in_bucket_order(hook) if dist.get_backend() == "gloo" else hook)
+    return state
+
+
+def in_bucket_order(hook):  # comm
+    """Start a bucket's hook only when the previous bucket's has finished (gloo only).
+    PowerSGD issues its later all-reduces from callbacks on gloo's threads while backward goes
+    on to the next bucket: two ranks could start different buckets' all-reduces at once, which
+    kills the job ("Received data size doesn't match"). NCCL orders them on its stream."""
+
+    def hook_in_order(state, bucket):
+        if hook_in_order.previous is not None:
+            hook_in_order.previous.wait()
+        future = hook(state, bucket)
+        hook_in_order.previous = None if bucket.is_last() else future
+        return future
+
+    hook_in_order.previous = None
+    return hook_in_order
+
+
+@torch.no_grad()
+def average_replicas(tensors):  # comm
+    """Average `tensors` over all ranks in place, in one all-reduce (all ranks participate).
+    Not PyTorch's model_averaging: it points each parameter at a slice of one flat buffer,
+    which turns channels-last weights NCHW."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for t, mean in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+        t.copy_(mean.view(t.shape))
+
+
+def main(argv=None):
+    args = get_args(argv)
+    # The process group: rank, world size and device from whichever launcher started us.
+    info = init_distributed_mode(
+        backend=args.backend, device=args.device, timeout_s=args.dist_timeout
+    )
+    device, rank, world = info.device, info.rank, info.world_size
+    try:
+        if args.local_sgd_period and not info.distributed:  # comm
+            fail("--local-sgd-period needs 2 or more processes: one has nothing to average")
+        if (args.comm_hook != "none" or args.zero) and not info.distributed:  # comm
+            print0("note: --comm-hook and --zero have no effect with one process")
+        if args.amp == "fp16" and device.type == "cpu":
+            print0("note: --amp fp16 on CPU is slow; bf16 is the CPU's mixed-precision type")
+        seed_everything(args.seed)  # the same initial weights on every rank
+
+        # Data: each rank trains on a disjoint 1/world of a permutation of (seed, epoch).
+        # drop_last trims the set to a multiple of world instead of padding it with repeats.
+        train_set, test_set, num_classes, in_channels = load_datasets(
+            args.data, args.data_dir, args.download, None, info.local_rank
+        )
+        if (shard := len(train_set) // world) < args.batch_size * args.accum_steps:
+            sizes = f"--batch-size {args.batch_size} x --accum-steps {args.accum_steps}"
+            fail(f"{sizes} is larger than one rank's shard ({shard} of {len(train_set)} samples)")
+        sampler = ResumableSampler(train_set, world, rank, seed=args.seed, drop_last=True)
+        # The loader's own generator: from the global RNG, the seed a loader draws at each
+        # epoch would shift the RNG after a resume.
+        generator = torch.Generator().manual_seed(args.seed)
+        loader_args = dict(num_workers=args.workers, collate_fn=collate, generator=generator)
+        # Pinned memory: host-to-GPU copies overlap compute.
+        loader_args.update(persistent_workers=args.workers > 0, pin_memory=device.type == "cuda")
+        # drop_last: every step a full batch (steady BatchNorm statistics, one compiled shape).
+        train_loader = DataLoader(
+            train_set, args.batch_size, sampler=sampler, drop_last=True, **loader_args
+        )
+        # Exact evaluation: every test sample once over all ranks, none padded in.
+        test_shard = eval_shard(test_set, rank, world)
+        test_loader = DataLoader(test_shard, 2 * args.batch_size, **loader_args)
+        steps_per_epoch = len(train_loader) // args.accum_steps
+        total_steps = args.epochs * steps_per_epoch
+        if args.local_sgd_period and args.local_sgd_start is None:  # comm
+            args.local_sgd_start = int(args.warmup * total_steps)  # plain DDP through warm-up
+
+        # The model, on this rank's device. DDP wraps it after the resume below has loaded
+        # the weights; it then broadcasts rank 0's, so every copy starts equal.
+        image_size = train_set[0][0].shape[-1]
+        model = build_model(args.model, in_channels, num_classes, image_size=image_size)
+        memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+        model = model.to(device, memory_format=memory_format)
+        raw_model = model  # the bare module: saved, loaded and evaluated without wrappers
+
+        # Only now, with data and flags found good, is anything written. Rank 0 checks the
+        # output directory and every rank learns the outcome (all ranks participate).
+        check = lambda: check_output_dir(args.output_dir)  # noqa: E731
+        out = together(check, run=bool(args.output_dir) and rank == 0)  # a Path on rank 0
+
+        # Optimizer, schedule, scaler. Linear scaling: the peak rate grows with the batch.
+        global_batch = args.batch_size * world * args.accum_steps
+        lr = args.lr * global_batch / 256
+        sgd = dict(lr=lr, momentum=args.momentum, weight_decay=args.weight_decay, nesterov=True)
+        zero = args.zero and info.distributed  # comm
+        if zero:  # comm: each rank steps its share of the parameters, then broadcasts it
+            optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, **sgd)
+        else:
+            optimizer = torch.optim.SGD(model.parameters(), **sgd)
+        scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+        amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+        autocast = functools.partial(torch.autocast, device.type, amp_dtype, amp_dtype is not None)
+
+        # Resume. Rank 0 alone finds and reads the checkpoint and sends it to all (all ranks
+        # participate): ranks looking for themselves could see different files (a directory
+        # not shared between nodes), resume at different steps and deadlock.
+        step = 0  # optimizer steps so far; the place in the data is divmod(step, steps_per_epoch)
+        auto = Path(args.output_dir or "", "checkpoint.pt")
+        resume = args.resume or (auto if args.output_dir and auto.is_file() else None)
+        load = lambda: (resume, resume and load_checkpoint(resume))  # noqa: E731
+        resume, ckpt = broadcast_object(together(load, run=rank == 0))
+        if resume:
+            load_model_state(raw_model, ckpt["model"], resume)
+        if resume:
+            saved = {"schedule": "onecycle", **ckpt["args"]}  # the shorter copies: onecycle
+            changed = [k for k in ("epochs", "schedule", "warmup") if saved[k] != getattr(args, k)]
+            if changed:  # the schedule is a function of these: it cannot go on where it was
+                was = ", ".join(f"--{k} {saved[k]}" for k in changed)
+                again = "resume with the same, or start anew in another --output-dir"
+                fail(f"{resume} was trained with {was}; {again}")
+            load_optimizer_state(optimizer, ckpt["optimizer"])  # with this run's --lr
+            if ckpt["scaler"]:  # empty when saved without fp16
+                scaler.load_state_dict(ckpt["scaler"])
+            # The same samples in the same order: go on after the last step saved, exactly.
+            same = ("batch_size", "accum_steps", "seed")
+            same_order = all(saved.get(k) == getattr(args, k) for k in same)
+            same_shards = (ckpt["world_size"], ckpt["steps_per_epoch"]) == (world, steps_per_epoch)
+            if same_order and same_shards:
+                step = ckpt["step"]
+                set_rng_state(ckpt["rng"][rank], device)
+            else:
+                # Another world size or batch shards each epoch differently: a half-done
+                # epoch starts again, while the schedule resumes at the same point.
+                step = ckpt["epoch"] * steps_per_epoch
+            epoch, epoch_step = divmod(step, steps_per_epoch)
+            print0(
+                f"resumed from {resume} at epoch {epoch}, step {epoch_step} of {steps_per_epoch}"
+            )
+        # Made after the optimizer's state is loaded, with this run's rates, and moved to the
+        # step the run goes on from (the rate is a function of the step alone).
+        scheduler = make_scheduler(optimizer, args, total_steps)
+        fast_forward(scheduler, step)
+
+        # The one line that makes this data-parallel. Gradients live in DDP's buckets
+        # (gradient_as_bucket_view): no copy between them and .grad.
+        if info.distributed:
+            device_ids = [device.index] if device.type == "cuda" else None
+            model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        hooked = info.distributed and (args.comm_hook != "none" or args.local_sgd_period)  # comm
+        hook_state = register_comm_hook(model, args, step, total_steps) if hooked else None  # comm
+        if args.compile:
+            model = torch.compile(model)  # around DDP, so graph breaks follow its buckets
+        # comm: what each rank sends per step (PowerSGD's count comes at the end)
+        grad_mb = sum(p.numel() * p.element_size() for p in raw_model.parameters()) / 2**20
+        sends = {"fp16": grad_mb / 2, "bf16": grad_mb / 2, "none": grad_mb * (1 + zero)}
+        sends = (
+            grad_mb / args.local_sgd_period if args.local_sgd_period else sends.get(args.comm_hook)
+        )
+        if sends and info.distributed:
+            print0(f"sends: {sends:.4f} MB per rank per step ({args.comm_hook=}, {zero=})")
+
+        def save(step):
+            """A checkpoint that goes on after `step` steps exactly (all ranks participate):
+            with every rank's RNG state, a resume at the same world size is as if never stopped."""
+            rngs = [rng_state(device)]
+            if info.distributed:
+                rngs = [None] * world
+                dist.all_gather_object(rngs, rng_state(device))
+            if zero:  # comm
+                optimizer.consolidate_state_dict(to=0)  # rank 0 gathers every rank's share
+            if out:  # global rank 0
+                epoch, epoch_step = divmod(step, steps_per_epoch)  # the epoch to go on with
+                state = dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict())
+                state.update(scaler=scaler.state_dict(), scheduler=scheduler.state_dict())
+                state.update(epoch=epoch, epoch_step=epoch_step, step=step, rng=rngs)
+                state.update(steps_per_epoch=steps_per_epoch, world_size=world, args=vars(args))
+                save_checkpoint(state, out / "checkpoint.pt")
+
+        start_epoch = step // steps_per_epoch
+        metrics = out / "metrics.jsonl" if out else None
+        if metrics and not (args.max_steps and step >= args.max_steps):  # else nothing to do
+            trim_metrics(metrics, start_epoch)  # epochs that run again lose their old lines
+        size = "x".join(map(str, train_set[0][0].shape[-2:]))
+        print0(
+            f"{args.model} on {args.data} ({size} images): {world} process(es) on {device.type},"
+            f" global batch {global_batch}, peak lr {lr:.3g}, {steps_per_epoch} steps/epoch"
+        )
+        if start_epoch >= args.epochs:
+            print0(f"{resume} already holds all {args.epochs} epochs: nothing to train")
+        for epoch in range(start_epoch, args.epochs):
+            if args.max_steps and step >= args.max_steps:
+                break
+            sampler.set_epoch(epoch)  # without it every epoch repeats epoch 0's order
+            epoch_step = step - epoch * steps_per_epoch
+            sampler.skip = epoch_step * args.accum_steps * args.batch_size  # a mid-epoch resume
+            steps, done = steps_per_epoch - epoch_step, 0
+            # Sums stay on the device until a log step: .item() would stall a GPU every step.
+            loss_sum, count, first_bad = torch.tensor([0, 0, math.inf], device=device).double()
+            model.train()
+            t0 = time.perf_counter()
+            bar = tqdm(
+                total=steps, desc=f"epoch {epoch}", disable=rank != 0, mininterval=1, leave=False
+            )
+            for i, (images, labels) in enumerate(train_loader):
+                images = images.to(device, non_blocking=True)
+                images = images.contiguous(memory_format=memory_format)
+                labels = labels.to(device, non_blocking=True)
+                # Gradient accumulation: no_sync() keeps all but the last micro-batch's
+                # gradients local, where they add up in .grad: one all-reduce per step.
+                last_micro = (i + 1) % args.accum_steps == 0
+                sync = last_micro or not info.distributed
+                with contextlib.nullcontext() if sync else model.no_sync():
+                    with autocast():
+                        logits = model(images)
+                        loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
+                    # The step's gradient is the mean over its micro-batches.
+                    scaler.scale(loss / args.accum_steps).backward()
+                loss = loss.detach()
+                loss_sum += loss * labels.numel()
+                count += labels.numel()
+                first_bad = torch.where(loss.isfinite(), first_bad, first_bad.clamp(max=step))
+                if not last_micro:
+                    continue
+                if args.clip_grad > 0:
+                    scaler.unscale_(optimizer)  # clip the true gradients, not fp16-scaled ones
+                    nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+                scaler.step(optimizer)  # skipped if fp16 gradients overflowed
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                step, done = step + 1, done + 1
+                bar.update()
+                last = done == steps or step == args.max_steps
+                snapshot = args.save_every and step % args.save_every == 0 and not last
+                if args.local_sgd_period and step > args.local_sgd_start:
+                    # comm: average the weights every K steps, and before an evaluation or a
+                    # checkpoint the momentum too: one model is saved, and a resume is exact.
+                    tensors = list(model.parameters())
+                    if last or snapshot:
+                        moms = (s.get("momentum_buffer") for s in optimizer.state.values())
+                        tensors += [m for m in moms if m is not None]
+                    if (
+                        last
+                        or snapshot
+                        or (step - args.local_sgd_start) % args.local_sgd_period == 0
+                    ):
+                        average_replicas(tensors)  # all ranks participate
+                if step % args.log_every == 0 or last or snapshot:
+                    # One all-reduce per log step (all ranks participate) feeds the bar, and
+                    # every rank sees the same NaN: all stop before it replaces a good checkpoint.
+                    totals = reduce_value(torch.stack([loss_sum, count]))
+                    if not totals.isfinite().all():
+                        bar.close()
+                        if info.distributed:
+                            dist.all_reduce(first_bad, dist.ReduceOp.MIN)
+                        fix = "lower --lr, add --clip-grad, or use --amp bf16 instead of fp16"
+                        fail(f"non-finite loss at step {int(first_bad)}: {fix}")
+                    train_loss = (totals[0] / totals[1]).item()
+                    bar.set_postfix(
+                        loss=f"{train_loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.3g}"
+                    )
+                if snapshot:
+                    save(step)  # a mid-epoch checkpoint; all ranks participate
+                if last:
+                    break
+            bar.close()
+            seconds = time.perf_counter() - t0  # the loss all-reduce above synchronised
+
+            # BatchNorm's running statistics are per rank until DDP copies rank 0's at the
+            # next forward: copy them now, so every rank evaluates (and saves) one model.
+            for buffer in raw_model.buffers() if info.distributed else ():
+                dist.broadcast(buffer, src=0)  # all ranks participate
+            test_loss, test_acc = evaluate(raw_model, test_loader, device, autocast())
+            speed, lr_now = done * global_batch / seconds, scheduler.get_last_lr()[0]
+            record = dict(epoch=epoch, step=step, train_loss=train_loss, test_loss=test_loss)
+            record.update(test_acc=test_acc, epoch_seconds=seconds, samples_per_second=speed)
+            record.update(lr=lr_now, world_size=world)
+            losses = (
+                f"train_loss {train_loss:.4f} test_loss {test_loss:.4f} test_acc {test_acc:.4f}"
+            )
+            print0(f"epoch {epoch}: {losses} {seconds:.1f}s {speed:.0f} samples/s")
+            # Metrics first: a crash before the checkpoint reruns this epoch (or its rest) and
+            # the resume trims its line, so every epoch appears once.
+            if out:
+                append_metrics(metrics, record)
+            if args.output_dir:
+                save(step)  # all ranks participate
+        if args.comm_hook == "powersgd" and hook_state and hook_state.total_numel_after_compression:
+            rate, start = hook_state.compression_stats()[0], hook_state.start_powerSGD_iter
+            print0(
+                f"powersgd: {rate:.1f}x fewer gradient numbers than plain DDP after {start} steps"
+            )
+        if info.distributed:
+            # Leave together (all ranks participate): rank 0 hosts the store, and a rank still
+            # tearing its group down when rank 0 has gone can abort at exit.
+            dist.barrier()
+    except RuntimeError as e:
+        # A peer that died or hung for --dist-timeout breaks the others' collectives.
+        raise peer_failure(e, info) from None
+    finally:
+        cleanup()  # also on an error: the peers are not left waiting on a dead group
+
+
+if __name__ == "__main__":
+    main()
