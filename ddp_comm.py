@@ -338,7 +338,7 @@ def main(argv=None):
             grad_mb / args.local_sgd_period if args.local_sgd_period else sends.get(args.comm_hook)
         )
         if sends and info.distributed:
-            print0(f"sends: {sends:.4f} MB per rank per step ({args.comm_hook=}, {zero=})")
+            print0(f"sends: {sends:.4f} MB per rank per step")
 
         def save(step):
             """A checkpoint that goes on after `step` steps exactly (all ranks participate):

@@ -2,7 +2,8 @@
 without the script's extras (no DataLoader, sampler, schedule, progress bar or checks).
 
     torchrun --standalone --nproc_per_node=2 benchmarks/bare_loop.py --steps 200
-    python benchmarks/bare_loop.py --device cuda --model resnet18 --batch-size 256 --amp bf16 --augment
+    python benchmarks/bare_loop.py --device cuda --model resnet18 --batch-size 256 \\
+        --amp bf16 --augment
 
 Prints one JSON line (rank 0): ms_per_step, the median time of forward, backward and
 optimizer step alone; and ms_per_step_wall, the mean wall time per step over the whole timed
@@ -35,12 +36,22 @@ def main():
     p.add_argument("--model", default="cnn", help="network (as ddp_train.py)")
     p.add_argument("--batch-size", type=int, default=128, help="samples per process per step")
     p.add_argument("--steps", type=int, default=200, help="timed steps (after 20 warm-up steps)")
-    p.add_argument("--no-ddp", action="store_true", help="skip the DDP wrapper: no gradient all-reduce")
+    p.add_argument(
+        "--no-ddp", action="store_true", help="skip the DDP wrapper: no gradient all-reduce"
+    )
     p.add_argument("--no-channels-last", action="store_true", help="NCHW instead of NHWC")
-    p.add_argument("--amp", default="none", choices=["none", "bf16"], help="autocast dtype (as ddp_train.py)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (compiled during warm-up)")
-    p.add_argument("--augment", action="store_true", help="ddp_train.py's random crop and flip of each batch")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if present")
+    p.add_argument(
+        "--amp", default="none", choices=["none", "bf16"], help="autocast dtype (as ddp_train.py)"
+    )
+    p.add_argument(
+        "--compile", action="store_true", help="torch.compile the model (compiled during warm-up)"
+    )
+    p.add_argument(
+        "--augment", action="store_true", help="ddp_train.py's random crop and flip of each batch"
+    )
+    p.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if present"
+    )
     args = p.parse_args()
     if args.steps < 1 or args.batch_size < 1:
         p.error("--steps and --batch-size must be at least 1")
@@ -54,16 +65,26 @@ def main():
         train_set, _, num_classes, in_channels = load_datasets(args.data, args.data_dir)
         fmt = torch.contiguous_format if args.no_channels_last else torch.channels_last
         size = train_set.images.shape[-1]
-        model = build_model(args.model, in_channels, num_classes, image_size=size).to(info.device, memory_format=fmt)
+        model = build_model(args.model, in_channels, num_classes, image_size=size).to(
+            info.device, memory_format=fmt
+        )
         if info.distributed and not args.no_ddp:
-            model = DDP(model, device_ids=[info.device.index] if cuda else None, gradient_as_bucket_view=True)
+            model = DDP(
+                model,
+                device_ids=[info.device.index] if cuda else None,
+                gradient_as_bucket_view=True,
+            )
         if args.compile:
             model = torch.compile(model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
+        opt = torch.optim.SGD(
+            model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4
+        )
         x, y = train_set.images.to(info.device), train_set.labels.to(info.device)
 
         def autocast():
-            return torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=args.amp == "bf16")
+            return torch.autocast(
+                info.device.type, dtype=torch.bfloat16, enabled=args.amp == "bf16"
+            )
 
         def step():
             """One training step on a random in-memory batch; returns the seconds of forward,
@@ -75,7 +96,10 @@ def main():
                 images = augment(images)
             images = images.contiguous(memory_format=fmt)
             if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
                 start.record()
             t0 = time.perf_counter()
             with autocast():
@@ -100,7 +124,9 @@ def main():
         window = time.perf_counter() - window_start
         if info.rank == 0:
             result = {"world_size": info.world_size, "ddp": info.distributed and not args.no_ddp}
-            result.update(device=info.device.type, model=args.model, batch_size=args.batch_size, amp=args.amp)
+            result.update(
+                device=info.device.type, model=args.model, batch_size=args.batch_size, amp=args.amp
+            )
             result.update(compile=args.compile, augment=args.augment)
             result["ms_per_step"] = 1000 * statistics.median(times)
             result["ms_per_step_wall"] = 1000 * window / args.steps

@@ -9,7 +9,8 @@ What makes it the classic recipe, kept on purpose:
   tensors instead);
 - batch 64 per process, DistributedSampler with set_epoch, DDP under torchrun (gloo on CPU).
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/baseline_recipe.py --output-dir runs/baseline
+    torchrun --standalone --nproc_per_node=2 benchmarks/baseline_recipe.py \\
+        --output-dir runs/baseline
 
 OUTPUT_DIR/metrics.jsonl has ddp_train.py's fields (epoch, step, train_loss, test_loss,
 test_acc, epoch_seconds, samples_per_second), so benchmarks/run_all.py reads both the same
@@ -75,7 +76,8 @@ def load_data(data_dir, download):
         ]
     except RuntimeError as e:
         fail(
-            f"Fashion-MNIST not found in {Path(data_dir) / 'FashionMNIST' / 'raw'} ({str(e).splitlines()[0]}); "
+            f"Fashion-MNIST not found in {Path(data_dir) / 'FashionMNIST' / 'raw'} "
+            f"({str(e).splitlines()[0]}); "
             "pass --download, or gunzip the four IDX files there"
         )
 
@@ -89,8 +91,12 @@ def train(args, info):
     torch.manual_seed(args.seed)  # same initial weights on every rank
     train_set, test_set = load_data(args.data_dir, args.download)
 
-    sampler = DistributedSampler(train_set, num_replicas=info.world_size, rank=info.rank, seed=args.seed)
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers)
+    sampler = DistributedSampler(
+        train_set, num_replicas=info.world_size, rank=info.rank, seed=args.seed
+    )
+    train_loader = DataLoader(
+        train_set, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers
+    )
     # Evaluation (not timed) counts every test sample once, so accuracies compare exactly.
     test_loader = DataLoader(
         eval_shard(test_set, info.rank, info.world_size), batch_size=1000, num_workers=args.workers
@@ -136,7 +142,8 @@ def train(args, info):
         )
         print0(
             f"epoch {epoch}: train_loss {record['train_loss']:.4f} test_loss {test_loss:.4f} "
-            f"test_acc {test_acc:.4f} {epoch_seconds:.1f}s {record['samples_per_second']:.0f} samples/s"
+            f"test_acc {test_acc:.4f} {epoch_seconds:.1f}s {record['samples_per_second']:.0f} "
+            f"samples/s"
         )
         if out:
             with open(out / "metrics.jsonl", "a") as f:
@@ -152,12 +159,24 @@ def main():
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (no momentum)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank")
     p.add_argument("--seed", type=int, default=0, help="seed for weights, dropout and shuffling")
-    p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (smoke runs); 0: no limit")
-    p.add_argument("--output-dir", default=None, help="where metrics.jsonl goes; none: write nothing")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if present")
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=0,
+        help="stop after this many steps (smoke runs); 0: no limit",
+    )
+    p.add_argument(
+        "--output-dir", default=None, help="where metrics.jsonl goes; none: write nothing"
+    )
+    p.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if present"
+    )
     args = p.parse_args()
     if args.epochs < 1 or args.batch_size < 1 or args.max_steps < 0 or args.workers < 0:
-        fail("--epochs and --batch-size must be at least 1; --max-steps and --workers cannot be negative")
+        fail(
+            "--epochs and --batch-size must be at least 1; --max-steps and --workers cannot be "
+            "negative"
+        )
 
     info = init_distributed_mode(device=args.device)
     try:

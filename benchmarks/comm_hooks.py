@@ -1,7 +1,8 @@
 """DDP communication options (ddp_train.py --comm-hook): step time and bytes all-reduced.
 
     torchrun --standalone --nproc_per_node=2 benchmarks/comm_hooks.py --model cnn
-    torchrun --standalone --nproc_per_node=2 benchmarks/comm_hooks.py --model resnet18 --batch-size 16
+    torchrun --standalone --nproc_per_node=2 benchmarks/comm_hooks.py \\
+        --model resnet18 --batch-size 16
 
 One DDP model per option (none, fp16, bf16, powersgd), each set up by ddp_train.py's own
 register_comm_hook(), trained in alternating rounds in the same processes so that the
@@ -51,25 +52,41 @@ class ByteCounter:
 
 def main():
     p = ArgumentParser(description="DDP communication hooks: step time and bytes")
-    p.add_argument("--model", default="cnn", choices=sorted(MODELS), help="network, as ddp_train.py --model")
+    p.add_argument(
+        "--model", default="cnn", choices=sorted(MODELS), help="network, as ddp_train.py --model"
+    )
     p.add_argument("--batch-size", type=int, default=128, help="samples per process per step")
     p.add_argument("--rounds", type=int, default=5, help="alternations over the options")
     p.add_argument("--steps", type=int, default=20, help="timed steps of each option per round")
     p.add_argument("--powersgd-rank", type=int, default=4, help="as ddp_train.py --powersgd-rank")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if present")
+    p.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if present"
+    )
     opts = p.parse_args()
     if min(opts.batch_size, opts.rounds, opts.steps, opts.powersgd_rank) < 1:
         p.error("--batch-size, --rounds, --steps and --powersgd-rank must be at least 1")
     info = init_distributed_mode(device=opts.device)
     if not info.distributed:
-        p.error("run it under torchrun with 2 or more processes: one process has nothing to all-reduce")
+        p.error(
+            "run it under torchrun with 2 or more processes: one process has nothing to all-reduce"
+        )
     try:
         device, fmt = info.device, torch.channels_last
         models, opts_per_hook = {}, {}
         for hook in HOOKS:
             args = ddp_train.get_args(
-                ["--model", opts.model, "--comm-hook", hook, "--powersgd-rank", str(opts.powersgd_rank)]
-                + ["--powersgd-start", "2"]  # compress from the third step: the warm-up below covers the first two
+                [
+                    "--model",
+                    opts.model,
+                    "--comm-hook",
+                    hook,
+                    "--powersgd-rank",
+                    str(opts.powersgd_rank),
+                ]
+                + [
+                    "--powersgd-start",
+                    "2",
+                ]  # compress from the third step: the warm-up below covers the first two
             )
             torch.manual_seed(0)
             model = build_model(opts.model, 1, 10).to(device, memory_format=fmt)
@@ -77,7 +94,9 @@ def main():
             ddp_train.register_comm_hook(model, args, step=0, total_steps=1)
             models[hook] = model
             opts_per_hook[hook] = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        grad_bytes = sum(q.numel() * q.element_size() for q in models["none"].parameters() if q.requires_grad)
+        grad_bytes = sum(
+            q.numel() * q.element_size() for q in models["none"].parameters() if q.requires_grad
+        )
 
         def sync():
             if device.type == "cuda":

@@ -22,19 +22,29 @@ from common import ArgumentParser, DistInfo, load_datasets  # noqa: E402
 
 def main():
     p = ArgumentParser(description="time ddp_train.py's training loader without a model")
-    p.add_argument("--world-size", type=int, default=2, help="shard the data as for this many processes")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (torchrun gives 1 each)")
-    p.add_argument("--max-batches", type=int, default=0, help="stop after this many batches; 0: one epoch")
+    p.add_argument(
+        "--world-size", type=int, default=2, help="shard the data as for this many processes"
+    )
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (torchrun gives 1 each)"
+    )
+    p.add_argument(
+        "--max-batches", type=int, default=0, help="stop after this many batches; 0: one epoch"
+    )
     args, rest = p.parse_known_args()
     if args.world_size < 1 or args.threads < 1 or args.max_batches < 0:
         p.error("--world-size and --threads must be at least 1; --max-batches cannot be negative")
-    train_args = ddp_train.get_args(rest)  # every other flag is ddp_train.py's (--batch-size, --workers, ...)
+    train_args = ddp_train.get_args(
+        rest
+    )  # every other flag is ddp_train.py's (--batch-size, --workers, ...)
     torch.set_num_threads(args.threads)
     device = torch.device("cpu")
     # Rank 0 of world_size processes, without a process group: DistributedSampler is given
     # num_replicas and rank explicitly, so it needs none.
     info = DistInfo(False, 0, 0, args.world_size, args.world_size, device)
-    train_set, test_set, _, _ = load_datasets(train_args.data, train_args.data_dir, train_args.download)
+    train_set, test_set, _, _ = load_datasets(
+        train_args.data, train_args.data_dir, train_args.download
+    )
     sampler, loader, _ = ddp_train.build_loaders(train_args, train_set, test_set, info)
     fmt = torch.channels_last if train_args.channels_last else torch.preserve_format
 

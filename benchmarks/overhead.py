@@ -28,14 +28,22 @@ from common import ArgumentParser, build_model, cleanup, init_distributed_mode, 
 
 def main():
     p = ArgumentParser(description="ddp_train.py's step against a bare DDP loop")
-    p.add_argument("--data-dir", default="data", help="root holding FashionMNIST/raw (as ddp_train.py)")
-    p.add_argument("--rounds", type=int, default=8, help="alternations of bare loop and script loop")
+    p.add_argument(
+        "--data-dir", default="data", help="root holding FashionMNIST/raw (as ddp_train.py)"
+    )
+    p.add_argument(
+        "--rounds", type=int, default=8, help="alternations of bare loop and script loop"
+    )
     p.add_argument("--steps", type=int, default=50, help="steps of each loop per round")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if present")
+    p.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if present"
+    )
     opts = p.parse_args()
     if opts.rounds < 1 or opts.steps < 1:
         p.error("--rounds and --steps must be at least 1")
-    args = ddp_train.get_args(["--data-dir", opts.data_dir, "--device", opts.device])  # the defaults
+    args = ddp_train.get_args(
+        ["--data-dir", opts.data_dir, "--device", opts.device]
+    )  # the defaults
     info = init_distributed_mode(device=opts.device)
     try:
         torch.manual_seed(0)
@@ -44,7 +52,9 @@ def main():
         fmt = torch.channels_last
         model = build_model(args.model, in_channels, num_classes).to(info.device, memory_format=fmt)
         model = ddp_train.wrap_ddp(model, info)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)
+        opt = torch.optim.SGD(
+            model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4
+        )
         scheduler = ddp_train.make_scheduler(opt, args, total_steps=10 * opts.rounds * opts.steps)
         scaler = torch.amp.GradScaler(info.device.type, enabled=False)
         autocast = functools.partial(torch.autocast, info.device.type, enabled=False)
@@ -70,7 +80,9 @@ def main():
             sampler.set_epoch(epoch)
             batches = itertools.islice(loader, opts.steps)
             t0 = time.perf_counter()
-            ddp_train.train_one_epoch(model, batches, opt, scheduler, scaler, autocast, args, info, 0, opts.steps)
+            ddp_train.train_one_epoch(
+                model, batches, opt, scheduler, scaler, autocast, args, info, 0, opts.steps
+            )
             sync()
             return (time.perf_counter() - t0) / opts.steps
 

@@ -3,8 +3,8 @@ all-reduce after backward, against local SGD and ZeRO; step time and bytes, 2 pr
 
     torchrun --standalone --nproc_per_node=2 benchmarks/overlap.py              # markdown table
     torchrun --standalone --nproc_per_node=2 benchmarks/overlap.py --json       # one JSON line
-    torchrun --standalone --nproc_per_node=2 benchmarks/overlap.py --model resnet18 --batch-size 4 \\
-        --options ddp blocking local4 local16 zero     # 45 MB of gradients per step: the overlap shows
+    torchrun --standalone --nproc_per_node=2 benchmarks/overlap.py \\
+        --model resnet18 --batch-size 4 --options ddp blocking local4 local16 zero
 
 Every option trains its own copy of the same model (same seed) on the same batches (random
 tensors of Fashion-MNIST's shape: time and bytes do not depend on the pixels), in alternating
@@ -46,7 +46,13 @@ from common import MODELS, ArgumentParser, build_model, cleanup, init_distribute
 OPTIONS = ("ddp", "blocking", "fp16", "bf16", "powersgd", "local4", "local16", "zero")
 COUNTED_STEPS = 16
 ALL_REDUCE = ("all_reduce",)
-GATHERS = ("broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "_broadcast_coalesced")
+GATHERS = (
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "_broadcast_coalesced",
+)
 
 
 @contextlib.contextmanager
@@ -58,9 +64,13 @@ def count_bytes():
     def wrap(name, collective):
         def counting(*args, **kwargs):
             # _broadcast_coalesced(group, tensors, ...); the others take the tensor (or list) first
-            tensors = args[1] if name == "_broadcast_coalesced" else args[0] if args else kwargs["tensor"]
+            tensors = (
+                args[1] if name == "_broadcast_coalesced" else args[0] if args else kwargs["tensor"]
+            )
             for t in tensors if isinstance(tensors, list | tuple) else [tensors]:
-                sent["all_reduce" if name in ALL_REDUCE else "other"] += t.numel() * t.element_size()
+                sent["all_reduce" if name in ALL_REDUCE else "other"] += (
+                    t.numel() * t.element_size()
+                )
             return collective(*args, **kwargs)
 
         return counting
@@ -86,7 +96,14 @@ class Trainer:
         model = build_model(opts.model, 1, 10).to(info.device, memory_format=torch.channels_last)
         self.params = list(model.parameters())
         self.model = model if option == "blocking" else ddp_train.wrap_ddp(model, info)
-        flags = ["--model", opts.model, "--powersgd-rank", str(opts.powersgd_rank), "--powersgd-start", "2"]
+        flags = [
+            "--model",
+            opts.model,
+            "--powersgd-rank",
+            str(opts.powersgd_rank),
+            "--powersgd-start",
+            "2",
+        ]
         if option in ("fp16", "bf16", "powersgd"):
             flags += ["--comm-hook", option]
         self.period = int(option[5:]) if option.startswith("local") else 0
@@ -96,7 +113,9 @@ class Trainer:
         if option != "blocking" and (args.comm_hook != "none" or self.period):
             ddp_train.register_comm_hook(self.model, args, step=0, total_steps=1)
         elif twin and option in ("ddp", "zero"):
-            self.model.register_comm_hook(None, default_hooks.allreduce_hook)  # the same buckets, counted
+            self.model.register_comm_hook(
+                None, default_hooks.allreduce_hook
+            )  # the same buckets, counted
         sgd = dict(lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)
         if option == "zero":
             self.optimizer = ZeroRedundancyOptimizer(self.params, torch.optim.SGD, **sgd)
@@ -116,27 +135,45 @@ class Trainer:
 
 
 def main():
-    p = ArgumentParser(description="DDP's overlap, a blocking all-reduce, local SGD and ZeRO: step time and bytes")
-    p.add_argument("--model", default="cnn", choices=sorted(MODELS), help="network, as ddp_train.py --model")
+    p = ArgumentParser(
+        description="DDP's overlap, a blocking all-reduce, local SGD and ZeRO: step time and bytes"
+    )
+    p.add_argument(
+        "--model", default="cnn", choices=sorted(MODELS), help="network, as ddp_train.py --model"
+    )
     p.add_argument("--batch-size", type=int, default=128, help="samples per process per step")
     p.add_argument("--rounds", type=int, default=10, help="alternations over the options")
-    p.add_argument("--steps", type=int, default=16, help="timed steps of each option per round (a multiple of 16)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=16,
+        help="timed steps of each option per round (a multiple of 16)",
+    )
     p.add_argument("--powersgd-rank", type=int, default=4, help="as ddp_train.py --powersgd-rank")
-    p.add_argument("--options", nargs="+", default=list(OPTIONS), choices=OPTIONS, help="which to compare")
+    p.add_argument(
+        "--options", nargs="+", default=list(OPTIONS), choices=OPTIONS, help="which to compare"
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the models run")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     opts = p.parse_args()
     if min(opts.batch_size, opts.rounds, opts.steps, opts.powersgd_rank) < 1 or opts.steps % 16:
-        p.error("--batch-size, --rounds, --steps and --powersgd-rank must be at least 1; --steps a multiple of 16")
+        p.error(
+            "--batch-size, --rounds, --steps and --powersgd-rank must be at least 1; --steps a "
+            "multiple of 16"
+        )
     info = init_distributed_mode(device=opts.device)
     if not info.distributed:
-        p.error("run it under torchrun with 2 or more processes: one process has nothing to communicate")
+        p.error(
+            "run it under torchrun with 2 or more processes: one process has nothing to communicate"
+        )
     try:
         device, world = info.device, info.world_size
         torch.manual_seed(1 + info.rank)  # each rank its own batches, the same for every option
         batches = [
             (
-                torch.randn(opts.batch_size, 1, 28, 28, device=device).contiguous(memory_format=torch.channels_last),
+                torch.randn(opts.batch_size, 1, 28, 28, device=device).contiguous(
+                    memory_format=torch.channels_last
+                ),
                 torch.randint(10, (opts.batch_size,), device=device),
             )
             for _ in range(4)
@@ -165,7 +202,9 @@ def main():
         times = {option: [] for option in opts.options}
         order = list(trainers)
         for r in range(opts.rounds):
-            for option in order[r % len(order) :] + order[: r % len(order)]:  # each round starts one later
+            for option in (
+                order[r % len(order) :] + order[: r % len(order)]
+            ):  # each round starts one later
                 trainer = trainers[option]
                 dist.barrier()
                 if device.type == "cuda":
@@ -183,7 +222,10 @@ def main():
         ms = {option: 1000 * statistics.median(t) for option, t in times.items()}
         ring = {"all_reduce": 2 * (world - 1) / world, "other": (world - 1) / world}
         link_ms = {
-            gbit: {o: 1000 * sum(ring[k] * b for k, b in sent[o].items()) * 8 / (gbit * 1e9) for o in opts.options}
+            gbit: {
+                o: 1000 * sum(ring[k] * b for k, b in sent[o].items()) * 8 / (gbit * 1e9)
+                for o in opts.options
+            }
             for gbit in (10, 1)
         }
         params = sum(q.numel() for q in trainers[opts.options[0]].params)
@@ -204,8 +246,15 @@ def main():
             print(json.dumps(result), flush=True)
             return
         base = opts.options[0]
-        print(f"{opts.model} ({params / 1e6:.3f} M parameters), batch {opts.batch_size} per process, {world} processes")
-        print("| option | ms per step | vs " + base + " | MB sent per step per rank | + at 10 Gbit/s | + at 1 Gbit/s |")
+        print(
+            f"{opts.model} ({params / 1e6:.3f} M parameters), batch {opts.batch_size} per "
+            f"process, {world} processes"
+        )
+        print(
+            "| option | ms per step | vs "
+            + base
+            + " | MB sent per step per rank | + at 10 Gbit/s | + at 1 Gbit/s |"
+        )
         print("|---|---|---|---|---|---|")
         for o in opts.options:
             mb = result["bytes_per_step"][o] / 1e6

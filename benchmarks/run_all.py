@@ -40,7 +40,12 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 PY = sys.executable
 TORCHRUN = [PY, "-m", "torch.distributed.run"]  # the `torchrun` command, with this Python
-RAW_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+RAW_FILES = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 
 
@@ -89,7 +94,9 @@ class Runner:
         if key in self.by_cmd:
             return self.by_cmd[key]
         run_dir = self.work_dir / name
-        shutil.rmtree(run_dir, ignore_errors=True)  # ddp_train.py would resume from an old checkpoint
+        shutil.rmtree(
+            run_dir, ignore_errors=True
+        )  # ddp_train.py would resume from an old checkpoint
         run_dir.mkdir(parents=True)
         full = [*cmd, "--output-dir", str(run_dir.relative_to(ROOT))] if output_dir else list(cmd)
         log(f"[{time.strftime('%H:%M:%S')}] {name}: {show(full)}")
@@ -116,7 +123,9 @@ class Runner:
         text = (run_dir / "output.log").read_text(errors="replace")
         metrics_file = run_dir / "metrics.jsonl"
         metrics = (
-            [json.loads(ln) for ln in metrics_file.read_text().splitlines() if ln] if metrics_file.exists() else []
+            [json.loads(ln) for ln in metrics_file.read_text().splitlines() if ln]
+            if metrics_file.exists()
+            else []
         )
         printed = []
         for line in text.splitlines():
@@ -124,11 +133,20 @@ class Runner:
                 with contextlib.suppress(json.JSONDecodeError):
                     printed.append(json.loads(line))
         shown = " ".join(f"{k}={v}" for k, v in (env or {}).items()) + " " * bool(env) + show(full)
-        record = dict(name=name, command=shown, status=status, wall_seconds=wall, metrics=metrics, json=printed)
+        record = dict(
+            name=name,
+            command=shown,
+            status=status,
+            wall_seconds=wall,
+            metrics=metrics,
+            json=printed,
+        )
         if status != 0 or not (metrics or printed):
             # The last lines of the output, made safe for a markdown table cell.
             tail = " / ".join(ln.strip() for ln in text.strip().splitlines()[-3:]) or "no output"
-            if not isinstance(status, int):  # timed out: the tail is only the stop signal's traceback
+            if not isinstance(
+                status, int
+            ):  # timed out: the tail is only the stop signal's traceback
                 tail = f"see {run_dir.relative_to(ROOT) / 'output.log'}"
             record["error"] = tail.replace("|", "\\|")[-400:]
         log(f"    -> {'ok' if status == 0 else 'FAILED: ' + str(status)} in {wall:.0f} s")
@@ -153,7 +171,8 @@ def ok(record):
 
 def failure(record):
     status = record["status"]
-    return f"failed ({'exit ' + str(status) if isinstance(status, int) else status}): {record['error']}"
+    why = f"exit {status}" if isinstance(status, int) else status
+    return f"failed ({why}): {record['error']}"
 
 
 # ----------------------------------------------------------------------------------------
@@ -297,11 +316,17 @@ def section_time_to_accuracy(runner, args, cfg):
     configs_.append(("ddp_train.py, 1 process", ddp_run(runner, args, cfg, 1)))
     root = fashion_mnist_root(args.data_dir, runner.work_dir)
     if root is None:
-        lines += ["Baseline not run: no Fashion-MNIST files in data/FashionMNIST/raw or Debian's package.", ""]
+        lines += [
+            "Baseline not run: no Fashion-MNIST files in data/FashionMNIST/raw or Debian's "
+            "package.",
+            "",
+        ]
         baseline = None
     else:
         device = ["--device", "cpu"] if torch.cuda.is_available() else []
-        cmd = torchrun(2, "benchmarks/baseline_recipe.py", "--data-dir", str(root), *device, *cfg["baseline"])
+        cmd = torchrun(
+            2, "benchmarks/baseline_recipe.py", "--data-dir", str(root), *device, *cfg["baseline"]
+        )
         baseline = runner.run("baseline_recipe_2proc", cmd, cfg["timeout"], output_dir=True)
         configs_.append(("baseline recipe, 2 processes", baseline))
     target = baseline["metrics"][-1]["test_acc"] if baseline and ok(baseline) else None
@@ -341,7 +366,10 @@ def section_time_to_accuracy(runner, args, cfg):
             samples_per_second_steady=sps,
             time_to={k: (v[0] if v else None) for k, v in hits.items()},
             speedup_to_baseline_final=(base_hit[0] / hit[0]) if hit and base_hit else None,
-            per_epoch=[dict(epoch=x["epoch"] + 1, test_acc=x["test_acc"], epoch_seconds=x["epoch_seconds"]) for x in m],
+            per_epoch=[
+                dict(epoch=x["epoch"] + 1, test_acc=x["test_acc"], epoch_seconds=x["epoch_seconds"])
+                for x in m
+            ],
         )
     base_label = pct(target) if target is not None else "baseline final"
     lines += table(
@@ -360,9 +388,12 @@ def section_time_to_accuracy(runner, args, cfg):
     )
     lines += [
         "",
-        "Training s: the sum of epoch_seconds (training only, no evaluation or start-up); run wall s: the whole "
-        "command. Time to X: cumulative training seconds at the first epoch end whose test accuracy is at least X. "
-        "Samples/s: steady state (epochs after the first). Speed-up: the baseline's time to its own final accuracy "
+        "Training s: the sum of epoch_seconds (training only, no evaluation or start-up); run "
+        "wall s: the whole "
+        "command. Time to X: cumulative training seconds at the first epoch end whose test "
+        "accuracy is at least X. "
+        "Samples/s: steady state (epochs after the first). Speed-up: the baseline's time to its "
+        "own final accuracy "
         "divided by this configuration's.",
         "",
         "Test accuracy per epoch (cumulative training seconds):",
@@ -375,13 +406,17 @@ def section_time_to_accuracy(runner, args, cfg):
         row = [str(e + 1)]
         for _, m in good:
             row.append(
-                f"{pct(m[e]['test_acc'])} ({sum(x['epoch_seconds'] for x in m[: e + 1]):.1f} s)" if e < len(m) else ""
+                f"{pct(m[e]['test_acc'])} ({sum(x['epoch_seconds'] for x in m[: e + 1]):.1f} s)"
+                if e < len(m)
+                else ""
             )
         rows.append(row)
     lines += table(["epoch"] + [label for label, _ in good], rows)
     lines += commands(*(r for _, r in configs_))
     curves = {
-        label: [(sum(x["epoch_seconds"] for x in m[: i + 1]), x["test_acc"]) for i, x in enumerate(m)]
+        label: [
+            (sum(x["epoch_seconds"] for x in m[: i + 1]), x["test_acc"]) for i, x in enumerate(m)
+        ]
         for label, m in good
     }
     return lines, dict(baseline_final_acc=target, configurations=data), curves
@@ -390,15 +425,29 @@ def section_time_to_accuracy(runner, args, cfg):
 def section_overhead(runner, args, cfg):
     lines = ["## b. Overhead: ddp_train.py against a bare DDP loop (2 processes)", ""]
     ddp = ddp_run(runner, args, cfg, 2)
-    bare = runner.run("bare_loop_2proc", torchrun(2, "benchmarks/bare_loop.py", *cpu_flags(args), *cfg["bare"]), 600)
+    bare = runner.run(
+        "bare_loop_2proc",
+        torchrun(2, "benchmarks/bare_loop.py", *cpu_flags(args), *cfg["bare"]),
+        600,
+    )
     inter_cmd = torchrun(2, "benchmarks/overhead.py", *cpu_flags(args), *cfg["overhead"])
     inter = runner.run("overhead_interleaved_2proc", inter_cmd, 600)
-    pipe_cmd = [PY, "benchmarks/input_pipeline.py", "--world-size", "2", *cpu_flags(args), *cfg["pipeline"]]
+    pipe_cmd = [
+        PY,
+        "benchmarks/input_pipeline.py",
+        "--world-size",
+        "2",
+        *cpu_flags(args),
+        *cfg["pipeline"],
+    ]
     pipe = runner.run("input_pipeline", pipe_cmd, 600)
     data, rows, step_ms = {}, [], None
     if ok(inter):
         o = inter["json"][-1]
-        label = f"ddp_train.py step vs bare loop, interleaved in one run (median of {len(o['ratio_per_round'])} rounds)"
+        rounds = len(o["ratio_per_round"])
+        label = (
+            f"ddp_train.py step vs bare loop, interleaved in one run (median of {rounds} rounds)"
+        )
         value = f"{o['script_ms_per_step']:.1f} ms vs {o['bare_ms_per_step']:.1f} ms"
         rows.append([label, value, f"{o['ratio']:.2f}x"])
         data.update(overhead_ratio=o["ratio"], overhead_ratio_per_round=o["ratio_per_round"])
@@ -406,7 +455,11 @@ def section_overhead(runner, args, cfg):
         rows.append(["interleaved comparison", failure(inter), ""])
     if ok(ddp):
         step_ms = ms_per_step(ddp["metrics"])
-        which = "mean of epochs 2 and later" if len(ddp["metrics"]) > 1 else "epoch 1 only, warm-up included"
+        which = (
+            "mean of epochs 2 and later"
+            if len(ddp["metrics"]) > 1
+            else "epoch 1 only, warm-up included"
+        )
         rows.append([f"ddp_train.py step ({which})", f"{step_ms:.1f} ms", ""])
         data["ddp_train_ms_per_step"] = step_ms
     else:
@@ -414,8 +467,17 @@ def section_overhead(runner, args, cfg):
     if ok(bare):
         b = bare["json"][-1]
         wall, median = b["ms_per_step_wall"], b["ms_per_step"]
-        for label, ms in (("mean wall time, batch gather included", wall), ("median of forward+backward+step", median)):
-            rows.append([f"bare loop step ({label})", f"{ms:.1f} ms", f"{step_ms / ms:.2f}x" if step_ms else ""])
+        for label, ms in (
+            ("mean wall time, batch gather included", wall),
+            ("median of forward+backward+step", median),
+        ):
+            rows.append(
+                [
+                    f"bare loop step ({label})",
+                    f"{ms:.1f} ms",
+                    f"{step_ms / ms:.2f}x" if step_ms else "",
+                ]
+            )
         data.update(bare_ms_per_step_wall=wall, bare_ms_per_step_median=median)
         if step_ms:
             data["overhead_ratio_separate_runs"] = step_ms / wall
@@ -423,7 +485,8 @@ def section_overhead(runner, args, cfg):
         rows.append(["bare loop step", failure(bare), ""])
     if ok(pipe):
         p = pipe["json"][-1]
-        label = f"input pipeline alone, per batch ({p['batches']} batches of rank 0 of 2, {p['threads']} thread)"
+        label = f"input pipeline alone, per batch ({p['batches']} batches of rank 0 of 2, "
+        label += f"{p['threads']} thread)"
         share = f"{100 * p['ms_per_batch'] / step_ms:.1f}% of it" if step_ms else ""
         rows.append([label, f"{p['ms_per_batch']:.2f} ms", share])
         data["input_ms_per_batch"] = p["ms_per_batch"]
@@ -434,12 +497,18 @@ def section_overhead(runner, args, cfg):
     lines += table(["quantity", "value", "ddp_train.py step relative to it"], rows)
     lines += [
         "",
-        "The bare loop is the same model and optimizer on random batches of the same in-memory tensors, "
-        "without DataLoader, sampler, schedule, logging or checks: the limit for ddp_train.py on this machine. "
-        "The first row is ddp_train.py's overhead (issue 2's target: at most 1.10): benchmarks/overhead.py "
-        "alternates rounds of the bare loop and of ddp_train.train_one_epoch() on the same DDP model in the "
-        "same two processes, which cancels the machine's drift. The rows below it compare separate runs "
-        "minutes apart, where that drift (up to 30% here) swamps the difference. The input pipeline row "
+        "The bare loop is the same model and optimizer on random batches of the same in-memory "
+        "tensors, "
+        "without DataLoader, sampler, schedule, logging or checks: the limit for ddp_train.py on "
+        "this machine. "
+        "The first row is ddp_train.py's overhead (issue 2's target: at most 1.10): "
+        "benchmarks/overhead.py "
+        "alternates rounds of the bare loop and of ddp_train.train_one_epoch() on the same DDP "
+        "model in the "
+        "same two processes, which cancels the machine's drift. The rows below it compare "
+        "separate runs "
+        "minutes apart, where that drift (up to 30% here) swamps the difference. The input "
+        "pipeline row "
         "iterates ddp_train.build_loaders()' training loader without a model.",
     ]
     lines += commands(inter, ddp, bare, pipe)
@@ -467,7 +536,9 @@ def section_launchers(runner, args, cfg):
             continue
         sa, sb = samples_per_second(a["metrics"]), samples_per_second(b["metrics"])
         ratio = sa / sb
-        note = f" ({100 * ratio / 2:.0f}% scaling efficiency)" if label.startswith("scaling") else ""
+        note = (
+            f" ({100 * ratio / 2:.0f}% scaling efficiency)" if label.startswith("scaling") else ""
+        )
         accs = f"{pct(a['metrics'][-1]['test_acc'])} / {pct(b['metrics'][-1]['test_acc'])}"
         rows.append([label, f"{sa:.0f}", f"{sb:.0f}", f"{ratio:.2f}x{note}", accs, threads])
         data[label] = dict(
@@ -476,12 +547,20 @@ def section_launchers(runner, args, cfg):
             final_acc=[a["metrics"][-1]["test_acc"], b["metrics"][-1]["test_acc"]],
         )
     lines += table(
-        ["comparison (A vs B)", "A samples/s", "B samples/s", "A / B", "final acc A / B", "threads per process A vs B"],
+        [
+            "comparison (A vs B)",
+            "A samples/s",
+            "B samples/s",
+            "A / B",
+            "final acc A / B",
+            "threads per process A vs B",
+        ],
         rows,
     )
     lines += [
         "",
-        "Samples/s are steady state (epochs after the first), same flags for A and B. Threads: torchrun gives each "
+        "Samples/s are steady state (epochs after the first), same flags for A and B. Threads: "
+        "torchrun gives each "
         "of several workers OMP_NUM_THREADS=1; mp.spawn children get cores / processes from "
         "common.init_distributed_mode(); a single process uses every core.",
     ]
@@ -520,7 +599,8 @@ def section_comm_hooks(runner, args, cfg):
                 pays = f"below {saved * 8 / extra_s / 1e9:.2f} Gbit/s"
             rows.append(
                 [
-                    f"{model} ({o['params'] / 1e6:.2f} M parameters, batch {o['batch_size']} per process)",
+                    f"{model} ({o['params'] / 1e6:.2f} M parameters, batch {o['batch_size']} per "
+                    f"process)",
                     hook,
                     f"{ms[hook]:.1f}",
                     f"{o['time_ratio'][hook]:.2f}x",
@@ -543,14 +623,21 @@ def section_comm_hooks(runner, args, cfg):
     )
     lines += [
         "",
-        "Each option trains its own DDP model in alternating rounds in the same two processes (medians over "
+        "Each option trains its own DDP model in alternating rounds in the same two processes "
+        "(medians over "
         "rounds), set up by ddp_train.register_comm_hook(); PowerSGD at rank "
-        f"{next(iter(data.values()))['powersgd_rank'] if data else '?'}, compressing from the third step. "
-        "Bytes: what each rank hands to all-reduce per step (counted at torch.distributed.all_reduce for the "
-        "hooks; for none, every fp32 gradient). Here both processes share one machine, so the all-reduce "
-        'costs almost nothing and compression only adds compute. "Pays off" is the link speed below which '
-        "the bytes saved take longer to send than the compute added, assuming the all-reduce is not hidden "
-        "behind backward (DDP overlaps them) and a 2-process ring, which moves each rank's bytes once.",
+        f"{next(iter(data.values()))['powersgd_rank'] if data else '?'}, compressing from the "
+        f"third step. "
+        "Bytes: what each rank hands to all-reduce per step (counted at "
+        "torch.distributed.all_reduce for the "
+        "hooks; for none, every fp32 gradient). Here both processes share one machine, so the "
+        "all-reduce "
+        "costs almost nothing and compression only adds compute. "
+        '"Pays off" is the link speed below which '
+        "the bytes saved take longer to send than the compute added, assuming the all-reduce is "
+        "not hidden "
+        "behind backward (DDP overlaps them) and a 2-process ring, which moves each rank's bytes "
+        "once.",
     ]
     lines += commands(*records)
     return lines, data
@@ -561,11 +648,36 @@ def section_comm_hooks(runner, args, cfg):
 PIPELINE_CONFIGS = [
     ("single device (1 process, all cores)", 1, ["--devices", "cpu", "--microbatches", "1"], None),
     ("single device (1 process, 1 thread)", 1, ["--devices", "cpu", "--microbatches", "1"], 1),
-    ("mode 1, naive: 1 process, 2 stages (cpu,cpu)", 1, ["--devices", "cpu,cpu", "--microbatches", "1"], None),
-    ("mode 2: 1 process, 2 stages, 8 micro-batches", 1, ["--devices", "cpu,cpu", "--microbatches", "8"], None),
-    ("mode 3, naive: 2 processes, 1 micro-batch", 2, ["--schedule", "gpipe", "--microbatches", "1"], None),
-    ("mode 3, GPipe: 2 processes, 8 micro-batches", 2, ["--schedule", "gpipe", "--microbatches", "8"], None),
-    ("mode 3, 1F1B: 2 processes, 8 micro-batches", 2, ["--schedule", "1f1b", "--microbatches", "8"], None),
+    (
+        "mode 1, naive: 1 process, 2 stages (cpu,cpu)",
+        1,
+        ["--devices", "cpu,cpu", "--microbatches", "1"],
+        None,
+    ),
+    (
+        "mode 2: 1 process, 2 stages, 8 micro-batches",
+        1,
+        ["--devices", "cpu,cpu", "--microbatches", "8"],
+        None,
+    ),
+    (
+        "mode 3, naive: 2 processes, 1 micro-batch",
+        2,
+        ["--pipeline-schedule", "gpipe", "--microbatches", "1"],
+        None,
+    ),
+    (
+        "mode 3, GPipe: 2 processes, 8 micro-batches",
+        2,
+        ["--pipeline-schedule", "gpipe", "--microbatches", "8"],
+        None,
+    ),
+    (
+        "mode 3, 1F1B: 2 processes, 8 micro-batches",
+        2,
+        ["--pipeline-schedule", "1f1b", "--microbatches", "8"],
+        None,
+    ),
 ]
 
 
@@ -575,7 +687,11 @@ def section_model_parallel(runner, args, cfg):
     base = None
     for i, (label, nproc, mode_flags, threads) in enumerate(PIPELINE_CONFIGS):
         flags = [*mode_flags, *gpu_off(), *cfg["pipeline_mp"]]
-        cmd = torchrun(nproc, "model_parallel.py", *flags) if nproc > 1 else [PY, "model_parallel.py", *flags]
+        cmd = (
+            torchrun(nproc, "model_parallel.py", *flags)
+            if nproc > 1
+            else [PY, "model_parallel.py", *flags]
+        )
         env = {"OMP_NUM_THREADS": str(threads)} if threads else None
         r = runner.run(f"model_parallel_{i}", cmd, cfg["timeout"], output_dir=True, env=env)
         records.append(r)
@@ -590,21 +706,38 @@ def section_model_parallel(runner, args, cfg):
             base = sps  # the single device with all cores; if it failed, there is no ratio
         ratio = sps / base if base else None
         shown = f"{ratio:.2f}x" if ratio else "n/a"
-        rows.append([label, bubble, f"{sps:.0f}", f"{ms:.1f}", shown, pct(r["metrics"][-1]["test_acc"])])
-        data[label] = dict(samples_per_second=sps, ms_per_step=ms, ratio=ratio, command=r["command"])
+        rows.append(
+            [label, bubble, f"{sps:.0f}", f"{ms:.1f}", shown, pct(r["metrics"][-1]["test_acc"])]
+        )
+        data[label] = dict(
+            samples_per_second=sps, ms_per_step=ms, ratio=ratio, command=r["command"]
+        )
     lines += table(
-        ["configuration", "bubble (S-1)/(M+S-1)", "samples/s", "ms per step", "vs single device", "final test acc"],
+        [
+            "configuration",
+            "bubble (S-1)/(M+S-1)",
+            "samples/s",
+            "ms per step",
+            "vs single device",
+            "final test acc",
+        ],
         rows,
     )
     lines += [
         "",
-        "Same model (model_parallel.py's GroupNorm CNN, cut into stages of equal FLOPs), global batch 128 and data "
-        "for every row; samples/s and ms per step over the epochs after the first. Threads: the single process "
-        "uses every core, or one (a per-core comparison); each torchrun worker one. Modes 1 and 2 put both "
-        "stages on the one CPU: they show the mechanics and cost the copies, with no second device to gain from. "
+        "Same model (model_parallel.py's GroupNorm CNN, cut into stages of equal FLOPs), global "
+        "batch 128 and data "
+        "for every row; samples/s and ms per step over the epochs after the first. Threads: the "
+        "single process "
+        "uses every core, or one (a per-core comparison); each torchrun worker one. Modes 1 and 2 "
+        "put both "
+        "stages on the one CPU: they show the mechanics and cost the copies, with no second "
+        "device to gain from. "
         "With as many stages as "
-        "cores the pipeline has no more compute than one process: at best it ties, and it pays for the "
-        "activations sent between stages and for micro-batches too small to keep a core busy. Pipelining "
+        "cores the pipeline has no more compute than one process: at best it ties, and it pays "
+        "for the "
+        "activations sent between stages and for micro-batches too small to keep a core busy. "
+        "Pipelining "
         "pays when each stage has a device of its own and the model does not fit on one.",
     ]
     lines += commands(*records)
@@ -615,15 +748,25 @@ def section_quantize(runner, args, cfg):
     lines = ["## d3. Int8 quantization: quantize.py", ""]
     ddp = ddp_run(runner, args, cfg, 2)
     if not ok(ddp):
-        return lines + [f"not run: the float model's training failed: {failure(ddp)}"], dict(error=failure(ddp))
+        return lines + [f"not run: the float model's training failed: {failure(ddp)}"], dict(
+            error=failure(ddp)
+        )
     ckpt = runner.work_dir / "ddp_train_2proc" / "checkpoint.pt"
     report = runner.work_dir / "quantize.json"
     report.unlink(missing_ok=True)
-    flags = ["--checkpoint", str(ckpt.relative_to(ROOT)), "--json", str(report.relative_to(ROOT)), *cfg["quantize"]]
+    flags = [
+        "--checkpoint",
+        str(ckpt.relative_to(ROOT)),
+        "--json",
+        str(report.relative_to(ROOT)),
+        *cfg["quantize"],
+    ]
     flags += ["--data-dir", args.data_dir] if args.data_dir != "data" else []
     r = runner.run("quantize", [PY, "quantize.py", *flags], cfg["timeout"])
     if r["status"] != 0 or not report.exists():
-        return lines + [failure(r) if not ok(r) else "failed: no JSON report"] + commands(r), dict(error=r.get("error"))
+        return lines + [failure(r) if not ok(r) else "failed: no JSON report"] + commands(r), dict(
+            error=r.get("error")
+        )
     q = json.loads(report.read_text())
     rows = [
         [
@@ -653,8 +796,10 @@ def section_quantize(runner, args, cfg):
         "",
         f"The float model is section a's `ddp_train.py` run (2 processes, defaults). "
         f"{q['threads']} thread{'s' * (q['threads'] > 1)}, "
-        f"engine {q['engine']}; static int8 calibrated on {q['calib_images']} training images; accuracy on all "
-        f"{q['test_images']} test images. The models take turns call by call in one process (medians), so the "
+        f"engine {q['engine']}; static int8 calibrated on {q['calib_images']} training images; "
+        f"accuracy on all "
+        f"{q['test_images']} test images. The models take turns call by call in one process "
+        f"(medians), so the "
         "speed-ups are side by side. Size: the serialized state_dict.",
     ]
     lines += commands(ddp, r)
@@ -666,7 +811,10 @@ def section_quantize(runner, args, cfg):
 GPU_TARGET = 0.94
 GPU_BATCH = "256"
 GPU_RECIPE = [
-    *("--data", "fashion-mnist"),  # its files travel with the working tree: GPU machines may be offline
+    *(
+        "--data",
+        "fashion-mnist",
+    ),  # its files travel with the working tree: GPU machines may be offline
     *("--model", "resnet18", "--amp", "bf16", "--channels-last"),
     # Shifts of up to 4 pixels and left-right flips, on the GPU. ResNet-18's 11 M weights learn
     # the 60 k training images by heart within a few epochs; these keep every garment's label
@@ -683,7 +831,8 @@ GPU_CONFIGS = [("eager", []), ("torch.compile", ["--compile"])]
 
 def section_gpu(runner, args, cfg):
     lines = [
-        f"## e. GPU: ResNet-18 to {GPU_TARGET:.0%} on Fashion-MNIST (bf16, channels_last), with and without "
+        f"## e. GPU: ResNet-18 to {GPU_TARGET:.0%} on Fashion-MNIST (bf16, channels_last), with "
+        f"and without "
         "torch.compile",
         "",
     ]
@@ -692,7 +841,8 @@ def section_gpu(runner, args, cfg):
     root = fashion_mnist_root(args.data_dir, runner.work_dir)
     if root is None:
         status = (
-            f"not run: no Fashion-MNIST files (*-ubyte or *-ubyte.gz) in {args.data_dir}/FashionMNIST/raw, "
+            f"not run: no Fashion-MNIST files (*-ubyte or *-ubyte.gz) in "
+            f"{args.data_dir}/FashionMNIST/raw, "
             "nor Debian's dataset-fashion-mnist; copy them there (see benchmarks/README.md)"
         )
         return lines + [status], dict(status=status)
@@ -702,8 +852,19 @@ def section_gpu(runner, args, cfg):
         name = "gpu_resnet18_" + label.replace("torch.", "")
         cmd = [PY, "ddp_train.py", *GPU_RECIPE, *data, "--device", "cuda", *extra, *cfg["gpu"]]
         trained[label] = runner.run(name, cmd, cfg["timeout"], output_dir=True)
-        cmd = [PY, "benchmarks/bare_loop.py", *GPU_BARE, *data, "--device", "cuda", *extra, *cfg["gpu_bare"]]
-        bare[label] = runner.run("gpu_bare_loop_" + label.replace("torch.", ""), cmd, cfg["timeout"])
+        cmd = [
+            PY,
+            "benchmarks/bare_loop.py",
+            *GPU_BARE,
+            *data,
+            "--device",
+            "cuda",
+            *extra,
+            *cfg["gpu_bare"],
+        ]
+        bare[label] = runner.run(
+            "gpu_bare_loop_" + label.replace("torch.", ""), cmd, cfg["timeout"]
+        )
         records += [trained[label], bare[label]]
 
     rows, out = [], dict(device=torch.cuda.get_device_name(0), target=GPU_TARGET)
@@ -734,7 +895,12 @@ def section_gpu(runner, args, cfg):
                 final_acc=m[-1]["test_acc"],
                 first_epoch_seconds=m[0]["epoch_seconds"],
                 per_epoch=[
-                    dict(epoch=x["epoch"] + 1, test_acc=x["test_acc"], epoch_seconds=x["epoch_seconds"]) for x in m
+                    dict(
+                        epoch=x["epoch"] + 1,
+                        test_acc=x["test_acc"],
+                        epoch_seconds=x["epoch_seconds"],
+                    )
+                    for x in m
                 ],
             )
         else:
@@ -772,13 +938,20 @@ def section_gpu(runner, args, cfg):
     )
     lines += [
         "",
-        f"One process on {out['device']}, batch {GPU_BATCH}, one-cycle SGD. Images/s and ms per step:"
-        " ddp_train.py's epochs after the first (which compiles, and warms cuDNN up), from metrics.jsonl; "
-        "the bare loop's mean wall time per step over its timed steps (after 20 warm-up steps), with its median "
-        "GPU time per step beside it. Time to the target: cumulative training seconds (evaluation excluded, the "
-        "first epoch's compilation included) at the first epoch end whose test accuracy reaches it; test "
-        "accuracy is measured once per epoch under bf16 autocast. The bare loop keeps the data set on the GPU "
-        "and draws random batches from it: what is left between it and ddp_train.py is the DataLoader, the "
+        f"One process on {out['device']}, batch {GPU_BATCH}, one-cycle SGD. Images/s and ms per "
+        f"step:"
+        " ddp_train.py's epochs after the first (which compiles, and warms cuDNN up), from "
+        "metrics.jsonl; "
+        "the bare loop's mean wall time per step over its timed steps (after 20 warm-up steps), "
+        "with its median "
+        "GPU time per step beside it. Time to the target: cumulative training seconds (evaluation "
+        "excluded, the "
+        "first epoch's compilation included) at the first epoch end whose test accuracy reaches "
+        "it; test "
+        "accuracy is measured once per epoch under bf16 autocast. The bare loop keeps the data "
+        "set on the GPU "
+        "and draws random batches from it: what is left between it and ddp_train.py is the "
+        "DataLoader, the "
         "copy to the GPU, the schedule, the loss bookkeeping and the checks.",
     ]
     lines += commands(*records)
@@ -815,7 +988,9 @@ def machine():
     git = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     return dict(
         cores=cores,
         cpu=cpu,
@@ -857,16 +1032,27 @@ def plot(curves, path):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="smoke pass: a few steps of every run (numbers meaningless)")
-    p.add_argument("--quick-steps", type=int, default=40, help="--quick: optimizer steps per training run")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke pass: a few steps of every run (numbers meaningless)",
+    )
+    p.add_argument(
+        "--quick-steps", type=int, default=40, help="--quick: optimizer steps per training run"
+    )
     p.add_argument("--sections", default="abcde", help="which sections to run, e.g. 'ab'")
-    p.add_argument("--data-dir", default="data", help="data root passed to the scripts (their default: data)")
-    p.add_argument("--gpu-epochs", type=int, default=15, help="epochs of section e's ResNet-18 runs")
+    p.add_argument(
+        "--data-dir", default="data", help="data root passed to the scripts (their default: data)"
+    )
+    p.add_argument(
+        "--gpu-epochs", type=int, default=15, help="epochs of section e's ResNet-18 runs"
+    )
     p.add_argument("--work-dir", default=str(BENCH / "runs"), help="logs and outputs of every run")
     p.add_argument(
         "--results-dir",
         default=None,
-        help="where results.md/json and the plot go (default: benchmarks/; --sections e alone: benchmarks/gpu/)",
+        help="where results.md/json and the plot go "
+        "(default: benchmarks/; --sections e alone: benchmarks/gpu/)",
     )
     args = p.parse_args()
     if args.quick_steps < 1 or args.gpu_epochs < 1:
@@ -883,7 +1069,10 @@ def main():
     started = time.gmtime()
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     if load_before is not None and load_before > 0.5:
-        log(f"warning: load average {load_before:.2f}: other work is running and will distort the figures")
+        log(
+            f"warning: load average {load_before:.2f}: other work is running and will distort the "
+            f"figures"
+        )
     t0 = time.perf_counter()
     info = machine()
     runner = Runner(work_dir)
@@ -910,7 +1099,9 @@ def main():
         body += lines + [""]
     wall = time.perf_counter() - t0
 
-    command = "python benchmarks/run_all.py" + (" " + shlex.join(sys.argv[1:]) if sys.argv[1:] else "")
+    command = "python benchmarks/run_all.py" + (
+        " " + shlex.join(sys.argv[1:]) if sys.argv[1:] else ""
+    )
     header = [
         "# Benchmark results"
         + (" (QUICK SMOKE PASS: a few steps per run; not benchmark figures)" if args.quick else ""),
@@ -921,15 +1112,19 @@ def main():
         f"Python {info['python']}, {info['os']}",
         f"- Date: {time.strftime('%Y-%m-%d %H:%M', started)} UTC; commit {info['commit']}; "
         f"{wall / 60:.1f} minutes in all",
-        f"- Command: `{command}` (runs one after another; compare figures within one run, as ratios)",
+        f"- Command: `{command}` (runs one after another; compare figures within one run, as "
+        f"ratios)",
     ]
     if load_before is not None:
         # Anything else running distorts every figure: the 1-minute load average shows it.
         header.append(
-            f"- Load average (1 min) at the start: {load_before:.2f} (well above 0 means other work was running)"
+            f"- Load average (1 min) at the start: {load_before:.2f} (well above 0 means other "
+            f"work was running)"
         )
     if runner.removed_omp is not None:
-        header.append(f"- OMP_NUM_THREADS={runner.removed_omp} was set in the shell; removed for the runs")
+        header.append(
+            f"- OMP_NUM_THREADS={runner.removed_omp} was set in the shell; removed for the runs"
+        )
     markdown = "\n".join(header + [""] + body).rstrip() + "\n"
     print(markdown)
 
@@ -947,7 +1142,9 @@ def main():
         log(f"wrote {results_dir / 'accuracy_vs_time.png'}")
     else:
         log(
-            "no plot: matplotlib is not installed (pip install -r benchmarks/requirements.txt)" if curves else "no plot"
+            "no plot: matplotlib is not installed (pip install -r benchmarks/requirements.txt)"
+            if curves
+            else "no plot"
         )
     log(f"wrote {results_dir / 'results.md'} and results.json in {wall / 60:.1f} minutes")
 

@@ -38,7 +38,14 @@ LAUNCHER_VARS = (
 )
 LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_")
 # The output contract: keys every metrics.jsonl line has.
-METRIC_KEYS = {"epoch", "train_loss", "test_loss", "test_acc", "epoch_seconds", "samples_per_second"}
+METRIC_KEYS = {
+    "epoch",
+    "train_loss",
+    "test_loss",
+    "test_acc",
+    "epoch_seconds",
+    "samples_per_second",
+}
 
 
 def is_launcher_var(name):
@@ -57,7 +64,8 @@ def clean_env(omp_threads="1", **extra):
 
 def _report(cmd, proc):
     command = " ".join(map(str, cmd))
-    return f"{command}\nexit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+    out, err = proc.stdout[-3000:], proc.stderr[-3000:]
+    return f"{command}\nexit {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
 
 
 def run_python(args, env=None, timeout=180, check=True):
@@ -91,7 +99,13 @@ def run_ranks(args, envs, timeout=180, check=True):
     cmds = [[sys.executable, *map(str, a)] for a in argvs]
     procs = [
         subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for cmd, env in zip(cmds, envs, strict=True)
     ]
@@ -140,7 +154,9 @@ def assert_state_close(actual, expected, atol=1e-5, rtol=0.0):
     """Two state dicts have the same keys and every tensor agrees within the tolerance."""
     assert actual.keys() == expected.keys()
     for key in expected:
-        torch.testing.assert_close(actual[key], expected[key], atol=atol, rtol=rtol, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(
+            actual[key], expected[key], atol=atol, rtol=rtol, msg=lambda m, k=key: f"{k}: {m}"
+        )
 
 
 def max_abs_diff(a, b):
@@ -210,7 +226,18 @@ def no_launcher(monkeypatch):
 
 # 5 steps of the MLP (no BatchNorm, so DDP equals one process up to rounding) at a rate
 # high enough that the weights move far more than the parity tolerance.
-MLP_ARGS = [*SYNTHETIC, "--model", "mlp", "--max-steps", "5", "--lr", "0.8", "--warmup", "0", *DIST_TIMEOUT]
+MLP_ARGS = [
+    *SYNTHETIC,
+    "--model",
+    "mlp",
+    "--max-steps",
+    "5",
+    "--lr",
+    "0.8",
+    "--warmup",
+    "0",
+    *DIST_TIMEOUT,
+]
 # The default CNN, 3 epochs: learns the synthetic set to > 80% test accuracy.
 CNN_ARGS = [*SYNTHETIC, "--epochs", "3", "--lr", "0.05", *DIST_TIMEOUT]
 

@@ -96,7 +96,15 @@ def test_impossible_flags(no_launcher, tmp_path, flags, words):
 @pytest.mark.parametrize("data", ["mnist", "fashion-mnist", "cifar10", "imagefolder"])
 def test_missing_data(no_launcher, tmp_path, data):
     message = fails(
-        ddp_train.main, ["--data", data, "--data-dir", str(tmp_path / "nothing"), "--output-dir", str(tmp_path / "out")]
+        ddp_train.main,
+        [
+            "--data",
+            data,
+            "--data-dir",
+            str(tmp_path / "nothing"),
+            "--output-dir",
+            str(tmp_path / "out"),
+        ],
     )
     assert str(tmp_path / "nothing") in message
     if data != "imagefolder":
@@ -113,20 +121,34 @@ def unsafe_checkpoint(path):
     "make, words",
     [
         (lambda p: p.write_bytes(JUNK), "cannot read checkpoint"),
-        (lambda p: p.write_bytes(real_checkpoint(p).read_bytes()[:20000]), "cannot read checkpoint"),
+        (
+            lambda p: p.write_bytes(real_checkpoint(p).read_bytes()[:20000]),
+            "cannot read checkpoint",
+        ),
         (lambda p: p.write_bytes(b""), "cannot read checkpoint"),
         (lambda p: torch.save([1, 2, 3], p), "not a checkpoint"),
         (unsafe_checkpoint, "refused"),
         (lambda p: real_checkpoint(p, model="mlp"), "does not fit"),
         (lambda p: None, "does not exist"),
     ],
-    ids=["random-bytes", "truncated", "empty", "not-a-dict", "unsafe-pickle", "other-model", "missing"],
+    ids=[
+        "random-bytes",
+        "truncated",
+        "empty",
+        "not-a-dict",
+        "unsafe-pickle",
+        "other-model",
+        "missing",
+    ],
 )
 def test_bad_checkpoint(no_launcher, tmp_path, make, words):
     ckpt = tmp_path / "in.pt"
     make(ckpt)
     for extra in ([], ["--eval-only"]):
-        message = fails(ddp_train.main, [*CHEAP, *extra, "--resume", str(ckpt), "--output-dir", str(tmp_path / "out")])
+        message = fails(
+            ddp_train.main,
+            [*CHEAP, *extra, "--resume", str(ckpt), "--output-dir", str(tmp_path / "out")],
+        )
         assert words in message and str(ckpt) in message
         assert_untouched(tmp_path / "out")
 
@@ -148,7 +170,9 @@ def test_sync_bn_on_cpu(no_launcher, tmp_path):
 
 def test_cuda_without_gpu(no_launcher, tmp_path):
     no_launcher.setattr(torch.cuda, "is_available", lambda: False)
-    assert "CUDA" in fails(ddp_train.main, [*CHEAP, "--device", "cuda", "--output-dir", str(tmp_path / "out")])
+    assert "CUDA" in fails(
+        ddp_train.main, [*CHEAP, "--device", "cuda", "--output-dir", str(tmp_path / "out")]
+    )
     assert_untouched(tmp_path / "out")
 
 
@@ -189,7 +213,9 @@ def test_resume_with_other_epochs_is_refused_in_one_line(no_launcher, tmp_path):
     ddp_train.main([*SYNTHETIC, "--epochs", "1", "--max-steps", "2", "--output-dir", str(out)])
     before = (out / "checkpoint.pt").read_bytes()
     for script in (ddp_train, dp_train):
-        assert "--epochs 1" in fails(script.main, [*SYNTHETIC, "--epochs", "2", "--output-dir", str(out)])
+        assert "--epochs 1" in fails(
+            script.main, [*SYNTHETIC, "--epochs", "2", "--output-dir", str(out)]
+        )
     assert (out / "checkpoint.pt").read_bytes() == before
 
 
@@ -197,16 +223,32 @@ def test_resume_may_switch_to_fp16(no_launcher, tmp_path):
     """A checkpoint saved without fp16 has an empty GradScaler state; a resume with --amp fp16
     starts a fresh scaler instead of crashing in scaler.load_state_dict."""
     out = str(tmp_path / "out")
-    ddp_train.main([*SYNTHETIC, "--model", "mlp", "--epochs", "2", "--max-steps", "2", "--output-dir", out])
     ddp_train.main(
-        [*SYNTHETIC, "--model", "mlp", "--epochs", "2", "--max-steps", "4", "--amp", "fp16", "--output-dir", out]
+        [*SYNTHETIC, "--model", "mlp", "--epochs", "2", "--max-steps", "2", "--output-dir", out]
+    )
+    ddp_train.main(
+        [
+            *SYNTHETIC,
+            "--model",
+            "mlp",
+            "--epochs",
+            "2",
+            "--max-steps",
+            "4",
+            "--amp",
+            "fp16",
+            "--output-dir",
+            out,
+        ]
     )
     ckpt = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)
     assert ckpt["step"] == 4 and ckpt["scaler"]["scale"] > 0
 
 
 def test_powersgd_with_fp16_is_refused(no_launcher):
-    assert "--amp fp16" in fails(ddp_comm.main, [*CHEAP, "--comm-hook", "powersgd", "--amp", "fp16"])
+    assert "--amp fp16" in fails(
+        ddp_comm.main, [*CHEAP, "--comm-hook", "powersgd", "--amp", "fp16"]
+    )
 
 
 def test_a_check_on_rank_0_stops_every_rank_with_its_cause(tmp_path):
@@ -217,7 +259,10 @@ def test_a_check_on_rank_0_stops_every_rank_with_its_cause(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     port = str(free_port())
-    envs = [clean_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for r in range(2)]
+    envs = [
+        clean_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        for r in range(2)
+    ]
     argv = ["ddp_train.py", *SYNTHETIC, "--dist-timeout", "60", "--output-dir", blocker / "out"]
     for rank in run_ranks(argv, envs, timeout=60, check=False):
         assert rank.returncode == 1

@@ -42,7 +42,8 @@ def test_gpu_recipe_trains_on_cpu(tmp_path):
 
 
 def test_gpu_bare_loop_flags_run_on_cpu():
-    # The small CNN instead of ResNet-18 (which the test above trains): the bare loop's 22 steps stay quick.
+    # The small CNN instead of ResNet-18 (which the test above trains): the bare loop's 22
+    # steps stay quick.
     flags = replace(replace(run_all.GPU_BARE, "--model", "cnn"), "--batch-size", "8")
     proc = run_python(["benchmarks/bare_loop.py", *flags, *SYNTHETIC, "--steps", "2"])
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -26,7 +26,19 @@ TOLERANCE = {"fp16": 2e-4, "bf16": 1e-3}
 
 @pytest.mark.parametrize("hook", ["fp16", "bf16"])
 def test_compressed_allreduce_stays_within_rounding(tmp_path, mlp_reference, hook):
-    torchrun(2, ["ddp_comm.py", *MLP_ARGS, "--batch-size", "16", "--comm-hook", hook, "--output-dir", tmp_path])
+    torchrun(
+        2,
+        [
+            "ddp_comm.py",
+            *MLP_ARGS,
+            "--batch-size",
+            "16",
+            "--comm-hook",
+            hook,
+            "--output-dir",
+            tmp_path,
+        ],
+    )
     reference = load_ckpt(mlp_reference)["model"]
     model = load_ckpt(tmp_path)["model"]
     assert_state_close(model, reference, atol=TOLERANCE[hook])
@@ -34,7 +46,9 @@ def test_compressed_allreduce_stays_within_rounding(tmp_path, mlp_reference, hoo
 
 
 def test_powersgd_learns_and_compresses(tmp_path):
-    proc = torchrun(2, ["ddp_comm.py", *CNN_ARGS, "--comm-hook", "powersgd", "--output-dir", tmp_path])
+    proc = torchrun(
+        2, ["ddp_comm.py", *CNN_ARGS, "--comm-hook", "powersgd", "--output-dir", tmp_path]
+    )
     # Rank 4 of the CNN's weight matrices (64 x 288 and smaller): about 6x fewer numbers.
     rate = re.search(r"powersgd: ([\d.]+)x fewer", proc.stdout)
     assert rate and float(rate.group(1)) > 4, proc.stdout
@@ -52,6 +66,15 @@ def test_powersgd_with_several_buckets_keeps_ranks_in_step(tmp_path):
     # all-reduces then raced the next bucket's, and ranks disagreed on which came first:
     # without ddp_comm.in_bucket_order this run died ("Received data size doesn't match")
     # in 2 of 3 tries, so a regression shows most of the time, not always.
-    args = [*SYNTHETIC, "--model", "resnet18", "--batch-size", "2", "--max-steps", "8", *DIST_TIMEOUT]
+    args = [
+        *SYNTHETIC,
+        "--model",
+        "resnet18",
+        "--batch-size",
+        "2",
+        "--max-steps",
+        "8",
+        *DIST_TIMEOUT,
+    ]
     proc = torchrun(2, ["ddp_comm.py", *args, "--comm-hook", "powersgd", "--powersgd-start", "2"])
     assert "72.0x fewer" in proc.stdout  # rank 4 of ResNet-18's matrices

@@ -72,7 +72,10 @@ def test_test_shards_count_every_sample_once(world, synthetic):
         indices += list(test_loader.dataset.indices)
         labels += [y for _, y in test_loader]
     assert sorted(indices) == list(range(len(test_set)))
-    assert torch.cat(labels).bincount(minlength=10).tolist() == test_set.labels.bincount(minlength=10).tolist()
+    assert (
+        torch.cat(labels).bincount(minlength=10).tolist()
+        == test_set.labels.bincount(minlength=10).tolist()
+    )
 
 
 def test_random_crop_flip_takes_a_shifted_possibly_flipped_crop_of_each_image():
@@ -100,7 +103,16 @@ def test_random_crop_flip_takes_a_shifted_possibly_flipped_crop_of_each_image():
 
 def test_augmented_training_runs(tmp_path):
     proc = run_python(
-        ["ddp_train.py", *SYNTHETIC, "--augment", "--epochs", "1", "--max-steps", "3", "--no-channels-last"]
+        [
+            "ddp_train.py",
+            *SYNTHETIC,
+            "--augment",
+            "--epochs",
+            "1",
+            "--max-steps",
+            "3",
+            "--no-channels-last",
+        ]
     )
     assert "epoch 0:" in proc.stdout
 
@@ -147,7 +159,10 @@ def test_download_happens_once_per_node_while_the_others_wait(tmp_path):
         events[(int(rank), what)] = (int(download), float(when))
     assert {r for (r, _), (d, _) in events.items() if d} == {0, 2}  # the downloaders
     assert events[(0, "end")][1] <= events[(2, "start")][1]  # one after the other
-    assert events[(1, "start")] == (0, events[(1, "start")][1]) and events[(0, "end")][1] <= events[(1, "start")][1]
+    assert (
+        events[(1, "start")] == (0, events[(1, "start")][1])
+        and events[(0, "end")][1] <= events[(1, "start")][1]
+    )
 
 
 def test_small_images_train_at_their_own_size(tmp_path):
@@ -158,8 +173,21 @@ def test_small_images_train_at_their_own_size(tmp_path):
         for c in range(2):
             (tmp_path / split / f"c{c}").mkdir(parents=True)
             for i in range(4):
-                Image.new("RGB", (28, 28), (80 * c, 10 * i, 0)).save(tmp_path / split / f"c{c}" / f"{i}.png")
-    argv = ["--data", "imagefolder", "--data-dir", tmp_path, "--device", "cpu", "--max-steps", "1", "--batch-size", "4"]
+                Image.new("RGB", (28, 28), (80 * c, 10 * i, 0)).save(
+                    tmp_path / split / f"c{c}" / f"{i}.png"
+                )
+    argv = [
+        "--data",
+        "imagefolder",
+        "--data-dir",
+        tmp_path,
+        "--device",
+        "cpu",
+        "--max-steps",
+        "1",
+        "--batch-size",
+        "4",
+    ]
     proc = run_python(["ddp_train.py", *argv])
     assert "(28x28 images)" in proc.stdout
     proc = run_python(["ddp_train.py", *argv, "--image-size", "20"])

@@ -6,7 +6,15 @@ import json
 import re
 
 import pytest
-from conftest import CNN_ARGS, DIST_TIMEOUT, MLP_ARGS, SYNTHETIC, read_metrics, single_process_eval, torchrun
+from conftest import (
+    CNN_ARGS,
+    DIST_TIMEOUT,
+    MLP_ARGS,
+    SYNTHETIC,
+    read_metrics,
+    single_process_eval,
+    torchrun,
+)
 
 
 def test_training_run_evaluates_exactly(ddp_run):
@@ -24,8 +32,12 @@ def test_training_run_evaluates_exactly(ddp_run):
 def test_eval_only_matches_single_process(ddp_run, nproc):
     out, _ = ddp_run
     ckpt = out / "checkpoint.pt"
-    proc = torchrun(nproc, ["ddp_train.py", *SYNTHETIC, *DIST_TIMEOUT, "--eval-only", "--resume", ckpt])
-    found = re.findall(r"^eval .*: test_loss (\S+) test_acc (\S+) \((\d+) samples\)$", proc.stdout, re.M)
+    proc = torchrun(
+        nproc, ["ddp_train.py", *SYNTHETIC, *DIST_TIMEOUT, "--eval-only", "--resume", ckpt]
+    )
+    found = re.findall(
+        r"^eval .*: test_loss (\S+) test_acc (\S+) \((\d+) samples\)$", proc.stdout, re.M
+    )
     assert len(found) == 1, proc.stdout  # printed by rank 0 only
     loss, acc, samples = found[0]
     ref_loss, ref_acc = single_process_eval(ckpt, SYNTHETIC)
@@ -53,9 +65,9 @@ def _eval_rank(rank, world, port, out):
 
     import torch
     import torch.distributed as dist
+    from conftest import built_loaders
 
     import common
-    from conftest import built_loaders
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -70,7 +82,9 @@ def _eval_rank(rank, world, port, out):
         def forward(self, x):
             index = x[:, 0, 0, 0].long()
             seen.extend(index.tolist())
-            return torch.nn.functional.one_hot(torch.where(index % 2 == 0, index % 10, (index + 1) % 10), 10).float()
+            return torch.nn.functional.one_hot(
+                torch.where(index % 2 == 0, index % 10, (index + 1) % 10), 10
+            ).float()
 
     datasets = (test_set, test_set, 10, 1)
     _, _, test_loader = built_loaders(["--batch-size", "16"], world, rank, datasets)

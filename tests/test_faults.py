@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import free_port
 
 import common
@@ -293,7 +292,8 @@ def test_mp_spawn_child_killed_ends_job_and_rerun_resumes(tmp_path):
     text = log.read_text()
     assert code == 1, text
     # Not always the last line: multiprocessing's resource tracker may warn after it.
-    parent = r"^error: process \d of 2 was killed by SIGKILL; the others were stopped; rerun to resume from "
+    parent = r"^error: process \d of 2 was killed by SIGKILL; the others were stopped; "
+    parent += "rerun to resume from "
     assert re.search(parent, text, re.M), text
 
     again = run([sys.executable, *cmd])

@@ -29,7 +29,16 @@ import threading
 import pytest
 import torch
 import torch.nn as nn
-from conftest import DIST_TIMEOUT, METRIC_KEYS, ROOT, clean_env, load_ckpt, max_abs_diff, read_metrics, run_python
+from conftest import (
+    DIST_TIMEOUT,
+    METRIC_KEYS,
+    ROOT,
+    clean_env,
+    load_ckpt,
+    max_abs_diff,
+    read_metrics,
+    run_python,
+)
 from torch.utils.data import DataLoader
 
 import common
@@ -56,7 +65,19 @@ BASE = [*DATA, *DIST_TIMEOUT]
 MLP_STEPS = ["--model", "mlp", "--epochs", "1", "--batch-size", "32", "--max-steps", "5"]
 MLP_STEPS += ["--lr", "0.8", "--warmup", "0"]
 MLP = [*BASE, *MLP_STEPS]
-CNN = [*BASE, "--model", "cnn", "--epochs", "1", "--batch-size", "32", "--max-steps", "5", "--lr", "0.4"]
+CNN = [
+    *BASE,
+    "--model",
+    "cnn",
+    "--epochs",
+    "1",
+    "--batch-size",
+    "32",
+    "--max-steps",
+    "5",
+    "--lr",
+    "0.4",
+]
 # Tolerances, as relative_error() (distance between two runs' weights over the distance they
 # moved from the start; a run that did not train, or trained something else, is near 1). On
 # the CPU: bf16 against fp32 0.017, fp16 with its GradScaler 0.008, fp16 gradient compression
@@ -64,7 +85,16 @@ CNN = [*BASE, "--model", "cnn", "--epochs", "1", "--batch-size", "32", "--max-st
 # picks other kernels per layout and rounds fp32 convolutions to TF32 (Ampere and later).
 AMP_TOL, CONV_TOL = 0.05, 0.02
 # Keys of ddp_train.py's checkpoint (README, output contract).
-CKPT_KEYS = {"model", "optimizer", "scheduler", "scaler", "epoch", "epoch_step", "step", "steps_per_epoch"}
+CKPT_KEYS = {
+    "model",
+    "optimizer",
+    "scheduler",
+    "scaler",
+    "epoch",
+    "epoch_step",
+    "step",
+    "steps_per_epoch",
+}
 CKPT_KEYS |= {"world_size", "rng", "args"}
 # Environment of every run. cuBLAS gives the same bits run after run only with a fixed
 # workspace; NCCL_DEBUG=VERSION makes NCCL print one line when it creates a communicator.
@@ -112,10 +142,16 @@ def check_contract(out, model, loss_tol=5e-3, acc_tol=2 / 499, keys=()):
     test samples in 499 for fp32 (TF32 convolutions on the GPU round), wider under autocast."""
     records = read_metrics(out)
     assert records and all(r.keys() >= METRIC_KEYS for r in records)
-    assert all(math.isfinite(r[k]) for r in records for k in ("train_loss", "test_loss", "samples_per_second"))
+    assert all(
+        math.isfinite(r[k])
+        for r in records
+        for k in ("train_loss", "test_loss", "samples_per_second")
+    )
     ckpt = load_ckpt(out)  # map_location="cpu", weights_only=True: what a CPU-only machine does
     assert set(keys) <= ckpt.keys(), f"checkpoint lacks {set(keys) - ckpt.keys()}"
-    assert not any(k.startswith(("module.", "_orig_mod.")) for k in ckpt["model"]), "wrapper prefixes saved"
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in ckpt["model"]), (
+        "wrapper prefixes saved"
+    )
     model.load_state_dict(ckpt["model"], strict=True)
     loss, acc = common.evaluate(model, synthetic_test_loader(), torch.device("cpu"))
     assert loss == pytest.approx(records[-1]["test_loss"], abs=loss_tol, rel=loss_tol)
@@ -156,7 +192,9 @@ def relative_error(state, reference, initial):
 
 def assert_same_training(state, reference, initial, tol):
     error = relative_error(state, reference, initial)
-    assert error < tol, f"the weights differ by {error:.3g} of what training moved them (tolerance {tol})"
+    assert error < tol, (
+        f"the weights differ by {error:.3g} of what training moved them (tolerance {tol})"
+    )
 
 
 def initial(run, model):
@@ -218,7 +256,9 @@ def test_fp16_gradscaler_clips_after_unscale(run):
     out, _ = run("ddp_train.py", [*MLP, *clip, "--amp", "fp16"], nproc=1)
     ckpt, _ = check_contract(out, ddp_model("mlp"), loss_tol=0.02, acc_tol=0.02)
     scale = ckpt["scaler"].get("scale")
-    assert scale and math.isfinite(scale) and math.log2(scale).is_integer(), f"no active GradScaler: {ckpt['scaler']}"
+    assert scale and math.isfinite(scale) and math.log2(scale).is_integer(), (
+        f"no active GradScaler: {ckpt['scaler']}"
+    )
     assert all(t.dtype == torch.float32 for t in ckpt["model"].values())
     fp32, _ = run("ddp_train.py", [*MLP, *clip], nproc=1)
     unclipped, _ = run("ddp_train.py", [*MLP, "--weight-decay", "0"], nproc=1)
@@ -227,7 +267,9 @@ def test_fp16_gradscaler_clips_after_unscale(run):
     assert_same_training(ckpt["model"], reference, start, AMP_TOL)
     # The clip was binding: without it the same steps go elsewhere.
     error = relative_error(load_ckpt(unclipped)["model"], reference, start)
-    assert error > 0.2, f"--clip-grad 0.5 changed the steps by {error:.3g} only: the clip did not bind"
+    assert error > 0.2, (
+        f"--clip-grad 0.5 changed the steps by {error:.3g} only: the clip did not bind"
+    )
 
 
 def test_channels_last(run):
@@ -238,7 +280,9 @@ def test_channels_last(run):
     plain, _ = run("ddp_train.py", [*CNN, "--no-channels-last"], nproc=1)
     nchw = load_ckpt(plain)["model"]
     # A kernel with more than one input channel and a 3x3 window, whose layouts differ.
-    name = next(k for k, v in ckpt["model"].items() if v.dim() == 4 and v.shape[1] > 1 and v.shape[2] > 1)
+    name = next(
+        k for k, v in ckpt["model"].items() if v.dim() == 4 and v.shape[1] > 1 and v.shape[2] > 1
+    )
     assert ckpt["model"][name].is_contiguous(memory_format=torch.channels_last)
     assert not nchw[name].is_contiguous(memory_format=torch.channels_last)
     assert_same_training(ckpt["model"], nchw, initial(run, "cnn"), CONV_TOL)
@@ -269,7 +313,9 @@ def test_sync_bn_two_gpus_equal_one(run):
     does with all 32 (plain BatchNorm would use each GPU's 16 and differ)."""
     two, _ = run("ddp_train.py", [*CNN, "--batch-size", "16", "--sync-bn"], nproc=2)
     one, _ = run("ddp_train.py", [*CNN, "--channels-last"], nproc=1)
-    assert_same_training(load_ckpt(two)["model"], load_ckpt(one)["model"], initial(run, "cnn"), CONV_TOL)
+    assert_same_training(
+        load_ckpt(two)["model"], load_ckpt(one)["model"], initial(run, "cnn"), CONV_TOL
+    )
 
 
 def test_comm_hook_fp16(run):
@@ -277,7 +323,9 @@ def test_comm_hook_fp16(run):
     the global batch of 32 take one process's steps; fp16 compression rounds the gradient to
     about 3 digits, no more."""
     nproc = min(GPUS, 2)
-    out, _ = run("ddp_comm.py", [*MLP, "--batch-size", str(32 // nproc), "--comm-hook", "fp16"], nproc=nproc)
+    out, _ = run(
+        "ddp_comm.py", [*MLP, "--batch-size", str(32 // nproc), "--comm-hook", "fp16"], nproc=nproc
+    )
     ckpt, _ = check_contract(out, ddp_model("mlp"))
     assert ckpt["world_size"] == nproc
     reference, _ = run("ddp_train.py", MLP, nproc=1)
@@ -289,12 +337,27 @@ def test_stop_and_resume_bit_for_bit(run, tmp_path):
     ends with exactly the weights, optimizer state and loss scale of a run never stopped.
     --augment draws random crops on the device, so the device's RNG state must come back too
     (a checkpoint saved on CUDA once crashed on resume: its RNG states were mapped to the GPU)."""
-    flags = [*BASE, "--model", "mlp", "--epochs", "2", "--batch-size", "64", "--lr", "0.4", "--augment"]
+    flags = [
+        *BASE,
+        "--model",
+        "mlp",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "64",
+        "--lr",
+        "0.4",
+        "--augment",
+    ]
     flags += ["--amp", "fp16", "--clip-grad", "1"]
     whole, _ = run("ddp_train.py", flags, nproc=1)
     launch("ddp_train.py", [*flags, "--max-steps", "40"], tmp_path, nproc=1)
     stopped = load_ckpt(tmp_path)
-    assert (stopped["epoch"], stopped["epoch_step"], stopped["step"]) == (1, 40 - stopped["steps_per_epoch"], 40)
+    assert (stopped["epoch"], stopped["epoch_step"], stopped["step"]) == (
+        1,
+        40 - stopped["steps_per_epoch"],
+        40,
+    )
     proc = launch("ddp_train.py", flags, tmp_path, nproc=1)
     assert "resumed" in proc.stdout
     resumed, expected = load_ckpt(tmp_path), load_ckpt(whole)
@@ -324,7 +387,9 @@ def test_two_processes_equal_one(run):
     """DDP over 2 GPUs (NCCL) with 2 x 16 takes the steps of one GPU with 32."""
     two, proc = run("ddp_train.py", [*MLP, "--batch-size", "16"], nproc=2)
     one, _ = run("ddp_train.py", MLP, nproc=1)
-    assert_same_training(load_ckpt(two)["model"], load_ckpt(one)["model"], initial(run, "mlp"), 0.01)
+    assert_same_training(
+        load_ckpt(two)["model"], load_ckpt(one)["model"], initial(run, "mlp"), 0.01
+    )
     assert not CUDA or "NCCL version" in proc.stdout + proc.stderr
 
 
@@ -343,7 +408,9 @@ def test_mp_spawn_one_process(run):
 def test_dp_train_bf16(run):
     """dp_train.py with --amp bf16 over every visible GPU: the output contract, and the same
     training as one DDP process within bf16's rounding."""
-    out, _ = run("dp_train.py", [*DATA, *MLP_STEPS, "--amp", "bf16"])  # one process: no --dist-timeout
+    out, _ = run(
+        "dp_train.py", [*DATA, *MLP_STEPS, "--amp", "bf16"]
+    )  # one process: no --dist-timeout
     ckpt, _ = check_contract(out, ddp_model("mlp"), loss_tol=0.02, acc_tol=0.02)
     reference, _ = run("ddp_train.py", MLP, nproc=1)
     assert_same_training(ckpt["model"], load_ckpt(reference)["model"], initial(run, "mlp"), AMP_TOL)
@@ -359,7 +426,11 @@ def output_dtypes(module):
         with lock:
             seen.add(output.dtype)
 
-    hooks = [m.register_forward_hook(record) for m in module.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+    hooks = [
+        m.register_forward_hook(record)
+        for m in module.modules()
+        if isinstance(m, (nn.Linear, nn.Conv2d))
+    ]
     try:
         yield seen
     finally:
@@ -372,7 +443,9 @@ def replica_dtypes(module, inputs, device):
     parallel_apply, one thread per replica (here all on one device)."""
     with output_dtypes(module) as seen:
         if device.type == "cuda":
-            nn.parallel.parallel_apply([module] * len(inputs), inputs, devices=[device.index] * len(inputs))
+            nn.parallel.parallel_apply(
+                [module] * len(inputs), inputs, devices=[device.index] * len(inputs)
+            )
         else:
             # parallel_apply needs an accelerator. Its worker, as in torch/nn/parallel/
             # parallel_apply.py: a new thread re-enters autocast with `enabled` alone, so the
@@ -419,7 +492,9 @@ def test_dataparallel_replicas_compute_in_the_asked_dtype():
 @functools.cache
 def has_devices_flag():
     """Whether model_parallel.py has its one-process mode (--devices) in this version."""
-    proc = subprocess.run([sys.executable, "model_parallel.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "model_parallel.py", "--help"], cwd=ROOT, capture_output=True, text=True
+    )
     return "--devices" in proc.stdout
 
 
@@ -468,7 +543,17 @@ def test_finetune(run):
 
     import finetune
 
-    flags = [*BASE, "--model", "resnet18", "--weights", "none", "--image-size", "32", "--max-steps", "3"]
+    flags = [
+        *BASE,
+        "--model",
+        "resnet18",
+        "--weights",
+        "none",
+        "--image-size",
+        "32",
+        "--max-steps",
+        "3",
+    ]
     out, _ = run("finetune.py", [*flags, "--batch-size", "16", "--epochs", "1"])
     model = torchvision.models.get_model("resnet18", num_classes=10)
     net = nn.Sequential(finetune.ToImageNetInput(32), model)
@@ -477,7 +562,9 @@ def test_finetune(run):
     [record] = read_metrics(out)
     assert record.keys() >= METRIC_KEYS
     loss, acc = common.evaluate(net, synthetic_test_loader(), torch.device("cpu"))
-    assert loss == pytest.approx(record["test_loss"], abs=5e-3, rel=5e-3)  # TF32 convolutions on the GPU
+    assert loss == pytest.approx(
+        record["test_loss"], abs=5e-3, rel=5e-3
+    )  # TF32 convolutions on the GPU
     assert acc == pytest.approx(record["test_acc"], abs=2 / 499)
 
 
@@ -486,7 +573,16 @@ def test_quantize_reads_a_cuda_checkpoint(run, tmp_path):
     trained on the device; its fp32 row's accuracy is the run's own."""
     out, _ = run("ddp_train.py", [*CNN, "--channels-last"], nproc=1)
     report = tmp_path / "q.json"
-    flags = ["--checkpoint", out / "checkpoint.pt", "--data", "synthetic", "--model", "cnn", "--runs", "2"]
+    flags = [
+        "--checkpoint",
+        out / "checkpoint.pt",
+        "--data",
+        "synthetic",
+        "--model",
+        "cnn",
+        "--runs",
+        "2",
+    ]
     run_python(["quantize.py", *flags, "--json", report], env=clean_env(CUDA_VISIBLE_DEVICES=""))
     rows = {r["method"]: r for r in json.loads(report.read_text())["results"]}
     [record] = read_metrics(out)

@@ -266,8 +266,9 @@ try:
     counts = torch.tensor([2**53 + 1, info.rank], dtype=torch.int64)
     total = common.reduce_value(counts)
     mean = common.reduce_value(torch.tensor(float(info.rank)), average=True)
-    print(json.dumps(dict(info=list(info[:5]), total=total.tolist(), dtype=str(total.dtype), input=counts.tolist(),
-                          mean=mean.item(), threads=torch.get_num_threads(), main=common.is_main_process())))
+    found = dict(info=list(info[:5]), total=total.tolist(), dtype=str(total.dtype))
+    found.update(input=counts.tolist(), mean=mean.item(), threads=torch.get_num_threads())
+    print(json.dumps(dict(found, main=common.is_main_process())))
 finally:
     common.cleanup()
 """
@@ -312,7 +313,8 @@ import gc, json, os, torch, common
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 def threads():
-    return {t: open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")}
+    tasks = os.listdir("/proc/self/task")
+    return {t: open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks}
 
 before = threads()
 info = common.init_distributed_mode(device="cpu", timeout_s=60)
@@ -323,7 +325,8 @@ during = len(threads()) - len(before)
 del model
 common.cleanup()
 gc.collect()
-print(json.dumps(dict(during=during, left=sorted(n for t, n in threads().items() if t not in before))))
+left = sorted(n for t, n in threads().items() if t not in before)
+print(json.dumps(dict(during=during, left=left)))
 """
 
 

@@ -2,11 +2,13 @@
 
 Local SGD: between averaging steps the ranks' weights differ and nothing is sent; right after
 one they are identical; over K steps it sends 1/K of plain DDP's bytes; with K = 1 it is plain
-DDP; a resume goes on exactly. ZeRO: each rank keeps only its share of the momentum, the steps are plain DDP's, and the
-checkpoint (the whole state, gathered on rank 0) resumes exactly, also at another world size.
+DDP; a resume goes on exactly. ZeRO: each rank keeps only its share of the momentum, the
+steps are plain DDP's, and the checkpoint (the whole state, gathered on rank 0) resumes
+exactly, also at another world size.
 """
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -55,7 +57,8 @@ torch.nn.modules.module.register_module_forward_pre_hook(before_forward)
 held, zero_step = [], ZeroRedundancyOptimizer.step
 def step_and_count(self, *args, **kwargs):
     loss = zero_step(self, *args, **kwargs)
-    held.append(sum(t.numel() for s in self.optim.state.values() for t in s.values() if torch.is_tensor(t)))
+    states = self.optim.state.values()
+    held.append(sum(t.numel() for s in states for t in s.values() if torch.is_tensor(t)))
     return loss
 ZeroRedundancyOptimizer.step = step_and_count
 
@@ -66,7 +69,8 @@ torch.save(dict(records=records, held=held), os.path.join(out, f"rank{{os.enviro
 
 
 def probe(tmp_path, nproc, args):
-    """torchrun ddp_comm.py's `args` (--output-dir tmp_path) under PROBE; its output, and what each rank recorded."""
+    """torchrun ddp_comm.py's `args` (--output-dir tmp_path) under PROBE; its output, and
+    what each rank recorded."""
     (tmp_path / "probe.py").write_text(PROBE)
     proc = torchrun(nproc, [tmp_path / "probe.py", *args, "--output-dir", tmp_path])
     return proc, [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(nproc)]
@@ -76,10 +80,14 @@ def test_local_sgd_averages_every_k_steps_and_sends_1_over_k(tmp_path):
     start, k, steps = 4, 4, 16
     flags = ["--local-sgd-period", k, "--local-sgd-start", start, "--log-every", 1000]
     # One step more than recorded: the last forward shows the weights after `steps` steps.
-    _, ranks = probe(tmp_path, 2, [*MLP_ARGS, "--batch-size", "16", *flags, "--max-steps", steps + 1])
+    proc, ranks = probe(
+        tmp_path, 2, [*MLP_ARGS, "--batch-size", "16", *flags, "--max-steps", steps + 1]
+    )
     weights = [[w for w, _ in rank["records"]] for rank in ranks]
     sent = [b for _, b in ranks[0]["records"]]
-    per_step = [after - before for before, after in itertools.pairwise(sent)]  # step s + 1 is per_step[s]
+    per_step = [
+        after - before for before, after in itertools.pairwise(sent)
+    ]  # step s + 1 is per_step[s]
     assert len(per_step) == steps
 
     for s in range(steps + 1):  # the weights after s steps
@@ -90,14 +98,21 @@ def test_local_sgd_averages_every_k_steps_and_sends_1_over_k(tmp_path):
             assert same, f"step {s}: right after averaging every rank holds the same weights"
         else:
             gap = (weights[0][s] - weights[1][s]).abs().max().item()
-            assert gap > 1e-4, f"step {s}: between averagings each rank follows its own gradients ({gap})"
+            assert gap > 1e-4, (
+                f"step {s}: between averagings each rank follows its own gradients ({gap})"
+            )
 
     plain = per_step[:start]  # the DDP steps: every gradient all-reduced
     params = sum(p.numel() for p in common.build_model("mlp", 1, 10).parameters())
     assert plain == [4 * params] * start
     local = per_step[start : start + 3 * k]  # three periods of local steps
-    assert [b for i, b in enumerate(local) if (i + 1) % k] == [0] * (3 * (k - 1))  # nothing sent between
+    assert [b for i, b in enumerate(local) if (i + 1) % k] == [0] * (
+        3 * (k - 1)
+    )  # nothing sent between
     assert sum(local) / len(local) == pytest.approx(plain[0] / k, rel=1e-9)
+    # What the run says it sends is what was counted.
+    said = re.search(r"sends: ([\d.]+) MB per rank per step", proc.stdout)
+    assert said and float(said[1]) == pytest.approx(plain[0] / k / 2**20, abs=1e-4), proc.stdout
 
     # It learns: chance is 0.1 on the synthetic set's 10 classes.
     assert read_metrics(tmp_path)[-1]["test_acc"] > 0.9
@@ -119,10 +134,22 @@ def test_local_sgd_resume_goes_on_exactly(tmp_path):
     # A snapshot averages the momentum too and the step count sets the averaging schedule, so
     # stopping at the step-6 snapshot (mid-period: averaged at 8, 12) and resuming ends where a
     # run that saved at step 6 and went on does, bit for bit.
-    args = [*MLP_ARGS, "--batch-size", "16", "--local-sgd-period", "4", "--local-sgd-start", "4", "--save-every", "6"]
+    args = [
+        *MLP_ARGS,
+        "--batch-size",
+        "16",
+        "--local-sgd-period",
+        "4",
+        "--local-sgd-start",
+        "4",
+        "--save-every",
+        "6",
+    ]
     torchrun(2, ["ddp_comm.py", *args, "--max-steps", "12", "--output-dir", tmp_path / "straight"])
     torchrun(2, ["ddp_comm.py", *args, "--max-steps", "6", "--output-dir", tmp_path / "stopped"])
-    proc = torchrun(2, ["ddp_comm.py", *args, "--max-steps", "12", "--output-dir", tmp_path / "stopped"])
+    proc = torchrun(
+        2, ["ddp_comm.py", *args, "--max-steps", "12", "--output-dir", tmp_path / "stopped"]
+    )
     assert "resumed from" in proc.stdout and "step 6 of" in proc.stdout
     straight, resumed = load_ckpt(tmp_path / "straight"), load_ckpt(tmp_path / "stopped")
     assert straight["step"] == resumed["step"] == 12
@@ -138,7 +165,20 @@ def test_local_sgd_resume_goes_on_exactly(tmp_path):
 def zero_stopped(tmp_path_factory):
     """2 processes with --zero, stopped after 2 of MLP_ARGS's 5 steps."""
     out = tmp_path_factory.mktemp("zero_stopped")
-    torchrun(2, ["ddp_comm.py", *MLP_ARGS, "--batch-size", "16", "--zero", "--max-steps", "2", "--output-dir", out])
+    torchrun(
+        2,
+        [
+            "ddp_comm.py",
+            *MLP_ARGS,
+            "--batch-size",
+            "16",
+            "--zero",
+            "--max-steps",
+            "2",
+            "--output-dir",
+            out,
+        ],
+    )
     return out
 
 
@@ -155,7 +195,9 @@ def test_zero_resumed_equals_plain_ddp(tmp_path, zero_stopped, mlp_reference):
     out = tmp_path / "run"
     out.mkdir()
     (out / "checkpoint.pt").write_bytes((zero_stopped / "checkpoint.pt").read_bytes())
-    proc = torchrun(2, ["ddp_comm.py", *MLP_ARGS, "--batch-size", "16", "--zero", "--output-dir", out])
+    proc = torchrun(
+        2, ["ddp_comm.py", *MLP_ARGS, "--batch-size", "16", "--zero", "--output-dir", out]
+    )
     assert "resumed from" in proc.stdout and "at epoch 0, step 2" in proc.stdout
     ckpt, reference = load_ckpt(out), load_ckpt(mlp_reference)
     assert ckpt["step"] == 5
@@ -169,9 +211,21 @@ def test_zero_checkpoint_loads_at_another_world_size(tmp_path, zero_stopped):
     # process with plain SGD, the same global batch of 48. Another world size restarts the
     # epoch: both train 5 steps from the checkpoint's weights and momentum.
     resume = ["--resume", zero_stopped / "checkpoint.pt"]
-    run_python(["ddp_comm.py", *MLP_ARGS, "--batch-size", "48", *resume, "--output-dir", tmp_path / "one"])
+    run_python(
+        ["ddp_comm.py", *MLP_ARGS, "--batch-size", "48", *resume, "--output-dir", tmp_path / "one"]
+    )
     proc = torchrun(
-        3, ["ddp_comm.py", *MLP_ARGS, "--batch-size", "16", "--zero", *resume, "--output-dir", tmp_path / "three"]
+        3,
+        [
+            "ddp_comm.py",
+            *MLP_ARGS,
+            "--batch-size",
+            "16",
+            "--zero",
+            *resume,
+            "--output-dir",
+            tmp_path / "three",
+        ],
     )
     assert "resumed from" in proc.stdout and "3 process(es)" in proc.stdout
     one, three = load_ckpt(tmp_path / "one"), load_ckpt(tmp_path / "three")
@@ -179,14 +233,26 @@ def test_zero_checkpoint_loads_at_another_world_size(tmp_path, zero_stopped):
     assert_state_close(three["model"], one["model"], atol=ATOL)
     assert_state_close(three["optimizer"]["state"], one["optimizer"]["state"], atol=ATOL)
     # Had the momentum been dropped, the weights would be this far apart.
-    assert (three["model"]["1.weight"] - load_ckpt(zero_stopped)["model"]["1.weight"]).abs().max() > 100 * ATOL
+    assert (
+        three["model"]["1.weight"] - load_ckpt(zero_stopped)["model"]["1.weight"]
+    ).abs().max() > 100 * ATOL
 
 
 def test_zero_shards_the_momentum_also_with_powersgd(tmp_path):
     # The small CNN: ZeRO deals out whole tensors, largest first, each to the rank holding the
     # fewest numbers so far, so the split is as even as the tensors allow. PowerSGD compresses
     # the gradients that ZeRO then steps with (from the third step).
-    args = [*SYNTHETIC, *DIST_TIMEOUT, "--max-steps", "3", "--zero", "--comm-hook", "powersgd", "--powersgd-start", "2"]
+    args = [
+        *SYNTHETIC,
+        *DIST_TIMEOUT,
+        "--max-steps",
+        "3",
+        "--zero",
+        "--comm-hook",
+        "powersgd",
+        "--powersgd-start",
+        "2",
+    ]
     proc, ranks = probe(tmp_path, 2, args)
     held = [rank["held"] for rank in ranks]
     sizes = sorted((p.numel() for p in common.build_model("cnn", 1, 10).parameters()), reverse=True)
@@ -194,7 +260,9 @@ def test_zero_shards_the_momentum_also_with_powersgd(tmp_path):
     for size in sizes:
         expected[expected.index(min(expected))] += size
     assert held == [[expected[0]] * 3, [expected[1]] * 3]  # each rank's momentum, after each step
-    assert sum(expected) == sum(sizes) and max(expected) < 0.65 * sum(sizes)  # the largest tensor is 63%
+    assert sum(expected) == sum(sizes) and max(expected) < 0.65 * sum(
+        sizes
+    )  # the largest tensor is 63%
     assert "powersgd: 6.0x fewer" in proc.stdout  # rank 4 of the CNN's weight matrices
 
 
@@ -206,7 +274,9 @@ def error_line(main, argv):
     with pytest.raises(SystemExit) as excinfo:
         main([str(a) for a in argv])
     message = excinfo.value.code
-    assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message, message
+    assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message, (
+        message
+    )
     return message
 
 
@@ -220,10 +290,15 @@ def error_line(main, argv):
         # Each rank's GradScaler would skip its own overflowed steps; only rank 0's is saved.
         (["--local-sgd-period", "4", "--amp", "fp16"], "cannot take --amp fp16"),
         (["--local-sgd-period", "0"], "--local-sgd-period must be at least 1"),
-        (["--local-sgd-period", "2", "--local-sgd-start", "-1"], "--local-sgd-start cannot be negative"),
+        (
+            ["--local-sgd-period", "2", "--local-sgd-start", "-1"],
+            "--local-sgd-start cannot be negative",
+        ),
     ],
 )
 def test_bad_combination_is_one_line(tmp_path, flags, words):
     out = tmp_path / "out"
-    assert words in error_line(ddp_comm.main, [*SYNTHETIC, "--max-steps", "1", *flags, "--output-dir", out])
+    assert words in error_line(
+        ddp_comm.main, [*SYNTHETIC, "--max-steps", "1", *flags, "--output-dir", out]
+    )
     assert not out.exists()  # refused before anything was written

@@ -49,7 +49,8 @@ def check_parity(out_dir, reference_dir):
     assert ckpt["optimizer"]["param_groups"][0]["lr"] == pytest.approx(
         reference["optimizer"]["param_groups"][0]["lr"], rel=1e-12
     )
-    # Exact evaluation, at full precision: the 2 processes' figures are one process's on the same weights.
+    # Exact evaluation, at full precision: the 2 processes' figures are one process's on the
+    # same weights.
     [metrics] = read_metrics(out_dir)
     loss, acc = single_process_eval(out_dir / "checkpoint.pt", MLP_ARGS)
     assert (metrics["world_size"], metrics["epoch"], metrics["step"]) == (2, 0, 5)
@@ -104,7 +105,9 @@ def openmpi_env(rank, port):
 def test_fake_launcher_matches_single_process(tmp_path, mlp_reference, launcher_env):
     port = free_port(20000, 40000)
     envs = [clean_env(**launcher_env(rank, port)) for rank in range(2)]
-    ranks = run_ranks(["ddp_train.py", *MLP_ARGS, "--batch-size", "16", "--output-dir", tmp_path], envs)
+    ranks = run_ranks(
+        ["ddp_train.py", *MLP_ARGS, "--batch-size", "16", "--output-dir", tmp_path], envs
+    )
     assert "2 process(es)" in ranks[0].stdout
     assert ranks[1].stdout == ""  # rank 1 prints nothing
     check_parity(tmp_path, mlp_reference)
@@ -121,10 +124,36 @@ def test_real_mpirun_matches_single_process(tmp_path, mlp_reference):
     env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port(20000, 40000)))
     # --allow-run-as-root: CI runs as root; --oversubscribe: 2 processes even on 1 core.
     # -x passes the rendezvous variables to both processes.
-    cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "MASTER_ADDR", "-x", "MASTER_PORT"]
-    cmd += ["-x", "OMP_NUM_THREADS", sys.executable, "ddp_train.py", *MLP_ARGS, "--batch-size", "16"]
+    cmd = [
+        mpirun,
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        "2",
+        "-x",
+        "MASTER_ADDR",
+        "-x",
+        "MASTER_PORT",
+    ]
+    cmd += [
+        "-x",
+        "OMP_NUM_THREADS",
+        sys.executable,
+        "ddp_train.py",
+        *MLP_ARGS,
+        "--batch-size",
+        "16",
+    ]
     cmd += ["--output-dir", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("2 process(es)") == 1  # rank 0 alone prints
     check_parity(tmp_path, mlp_reference)

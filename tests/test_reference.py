@@ -17,7 +17,9 @@ from conftest import DIST_TIMEOUT, SYNTHETIC, load_ckpt, max_abs_diff, torchrun
 import common
 
 STEPS = 12
-FLAGS = dict(lr=0.6, momentum=0.8, weight_decay=2e-3, label_smoothing=0.2, warmup=0.1, seed=3, clip_grad=0.5)
+FLAGS = dict(
+    lr=0.6, momentum=0.8, weight_decay=2e-3, label_smoothing=0.2, warmup=0.1, seed=3, clip_grad=0.5
+)
 PER_RANK, ACCUM, WORLD, EPOCHS = 8, 2, 2, 1  # 62 steps/epoch, 6 of them warm-up
 
 
@@ -28,7 +30,11 @@ def reference_weights():
     global_batch = PER_RANK * ACCUM * WORLD
     peak = FLAGS["lr"] * global_batch / 256  # the linear scaling rule
     optimizer = torch.optim.SGD(
-        model.parameters(), lr=peak, momentum=FLAGS["momentum"], nesterov=True, weight_decay=FLAGS["weight_decay"]
+        model.parameters(),
+        lr=peak,
+        momentum=FLAGS["momentum"],
+        nesterov=True,
+        weight_decay=FLAGS["weight_decay"],
     )
     steps_per_epoch = len(train_set) // WORLD // PER_RANK // ACCUM
     total = EPOCHS * steps_per_epoch
@@ -38,7 +44,10 @@ def reference_weights():
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(FLAGS["seed"]))
     for t in range(STEPS):
         # a linear warm-up to the peak, then a cosine decay to zero
-        warm, decay = (t + 1) / warmup, 0.5 * (1 + math.cos(math.pi * (t - warmup) / (total - warmup)))
+        warm, decay = (
+            (t + 1) / warmup,
+            0.5 * (1 + math.cos(math.pi * (t - warmup) / (total - warmup))),
+        )
         factor = warm if t < warmup else decay
         for group in optimizer.param_groups:
             group["lr"] = peak * factor
@@ -54,7 +63,16 @@ def reference_weights():
 def test_two_processes_take_the_reference_steps(tmp_path):
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in FLAGS.items()]
     argv = [*SYNTHETIC, *DIST_TIMEOUT, "--model", "mlp", "--schedule", "cosine", *flags]
-    argv += ["--batch-size", PER_RANK, "--accum-steps", ACCUM, "--epochs", EPOCHS, "--max-steps", STEPS]
+    argv += [
+        "--batch-size",
+        PER_RANK,
+        "--accum-steps",
+        ACCUM,
+        "--epochs",
+        EPOCHS,
+        "--max-steps",
+        STEPS,
+    ]
     torchrun(WORLD, ["ddp_train.py", *argv, "--output-dir", tmp_path])
     expected = reference_weights()
     got = load_ckpt(tmp_path)["model"]

@@ -82,7 +82,9 @@ def test_resume_on_another_world_size_rescales_lr(resumed_on_one_process):
     out, _ = resumed_on_one_process
     args = ddp_train.get_args(CNN_ARGS)
     steps_per_epoch = load_ckpt(out)["steps_per_epoch"]
-    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=args.lr * args.batch_size / 256)
+    optimizer = torch.optim.SGD(
+        [torch.zeros(1, requires_grad=True)], lr=args.lr * args.batch_size / 256
+    )
     scheduler = ddp_train.make_scheduler(optimizer, args, args.epochs * steps_per_epoch)
     expected = []
     for _ in range(args.epochs):
@@ -100,8 +102,19 @@ def test_resume_on_another_world_size_starts_from_the_checkpoint(stopped_run, tm
     out = tmp_path / "run"
     shutil.copytree(stopped_run, out)
     saved = load_ckpt(out)
-    steps_per_epoch = 2000 // 128  # one process, batch 128: the epoch starts again from its beginning
-    run_python(["ddp_train.py", *CNN_ARGS, "--max-steps", saved["epoch"] * steps_per_epoch + 1, "--output-dir", out])
+    steps_per_epoch = (
+        2000 // 128
+    )  # one process, batch 128: the epoch starts again from its beginning
+    run_python(
+        [
+            "ddp_train.py",
+            *CNN_ARGS,
+            "--max-steps",
+            saved["epoch"] * steps_per_epoch + 1,
+            "--output-dir",
+            out,
+        ]
+    )
     after = load_ckpt(out)
     assert after["step"] == saved["epoch"] * steps_per_epoch + 1
     common.seed_everything(0)
@@ -119,7 +132,9 @@ MLP_ARGS = [*SYNTHETIC, "--model", "mlp", "--epochs", "2", "--lr", "0.8", "--war
 def onecycle_rate(peak, total_steps, steps):
     """The rate after `steps` optimizer steps of MLP_ARGS's schedule with this peak."""
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=peak)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, peak, total_steps, pct_start=0.3, cycle_momentum=False)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, peak, total_steps, pct_start=0.3, cycle_momentum=False
+    )
     for _ in range(steps):
         optimizer.step()
         scheduler.step()
@@ -145,7 +160,9 @@ def test_resume_at_another_global_batch_takes_this_runs_rate(tmp_path, script):
     proc = run_python([*second, *MLP_ARGS, "--output-dir", tmp_path])
     assert "resumed from" in proc.stdout and "Warning" not in proc.stderr, proc.stderr
     assert [m["epoch"] for m in read_metrics(tmp_path)] == [0, 1]
-    assert read_metrics(tmp_path)[1]["lr"] == pytest.approx(onecycle_rate(0.8 * 16 / 256, 250, 250), rel=1e-9)
+    assert read_metrics(tmp_path)[1]["lr"] == pytest.approx(
+        onecycle_rate(0.8 * 16 / 256, 250, 250), rel=1e-9
+    )
 
 
 GLOBAL_32 = {
@@ -166,19 +183,36 @@ def test_resume_takes_this_runs_optimizer_flags(tmp_path, script):
     [group] = load_ckpt(tmp_path)["optimizer"]["param_groups"]
     assert (group["momentum"], group["weight_decay"]) == (0.5, 0)
     assert [m["epoch"] for m in read_metrics(tmp_path)] == [0, 1]
-    assert read_metrics(tmp_path)[1]["lr"] == pytest.approx(onecycle_rate(0.4 * 32 / 256, 124, 124), rel=1e-9)
+    assert read_metrics(tmp_path)[1]["lr"] == pytest.approx(
+        onecycle_rate(0.4 * 32 / 256, 124, 124), rel=1e-9
+    )
 
 
 def test_first_step_after_a_resume_at_another_batch_takes_this_runs_rate(no_launcher, tmp_path):
     """A snapshot inside epoch 0 at batch 64, resumed at batch 32: the epoch starts again, and its
     very first step runs at step 0 of the batch-32 schedule, not at the rate the saved optimizer
     held (the schedule is only moved by the steps after it)."""
-    ddp_train.main(list(map(str, [*MLP_ARGS, "--batch-size", "64", "--max-steps", "6", "--output-dir", tmp_path])))
+    ddp_train.main(
+        list(
+            map(
+                str, [*MLP_ARGS, "--batch-size", "64", "--max-steps", "6", "--output-dir", tmp_path]
+            )
+        )
+    )
     assert common.load_checkpoint(tmp_path / "checkpoint.pt")["step"] == 6
     rates = []
-    hook = register_optimizer_step_pre_hook(lambda optimizer, *_: rates.append(optimizer.param_groups[0]["lr"]))
+    hook = register_optimizer_step_pre_hook(
+        lambda optimizer, *_: rates.append(optimizer.param_groups[0]["lr"])
+    )
     try:
-        ddp_train.main(list(map(str, [*MLP_ARGS, "--batch-size", "32", "--max-steps", "2", "--output-dir", tmp_path])))
+        ddp_train.main(
+            list(
+                map(
+                    str,
+                    [*MLP_ARGS, "--batch-size", "32", "--max-steps", "2", "--output-dir", tmp_path],
+                )
+            )
+        )
     finally:
         hook.remove()
     assert rates == pytest.approx([onecycle_rate(0.8 * 32 / 256, 124, s) for s in (0, 1)], rel=1e-9)
@@ -189,25 +223,36 @@ def test_checkpoints_of_one_schedule_pass_between_the_scripts(no_launcher, tmp_p
     checkpoint on --schedule cosine is refused by dp_train.py in one line, not continued on
     one-cycle."""
     dp, cosine = tmp_path / "dp", tmp_path / "cosine"
-    run_python(["dp_train.py", *MLP_ARGS, "--batch-size", "32", "--max-steps", "62", "--output-dir", dp])
+    run_python(
+        ["dp_train.py", *MLP_ARGS, "--batch-size", "32", "--max-steps", "62", "--output-dir", dp]
+    )
     ddp_train.main(list(map(str, [*MLP_ARGS, "--batch-size", "32", "--output-dir", dp])))
     assert [m["epoch"] for m in read_metrics(dp)] == [0, 1]
     assert load_ckpt(dp)["step"] == 124
     argv = [*MLP_ARGS, "--batch-size", "32", "--max-steps", "62", "--output-dir", cosine]
     ddp_train.main(list(map(str, [*argv, "--schedule", "cosine"])))
     before = (cosine / "checkpoint.pt").read_bytes()
-    proc = run_python(["dp_train.py", *MLP_ARGS, "--batch-size", "32", "--output-dir", cosine], check=False)
+    proc = run_python(
+        ["dp_train.py", *MLP_ARGS, "--batch-size", "32", "--output-dir", cosine], check=False
+    )
     assert proc.returncode == 1
     assert (
         proc.stderr.strip()
         .splitlines()[-1]
-        .endswith("was trained with --schedule cosine; resume with the same, or start anew in another --output-dir")
+        .endswith(
+            "was trained with --schedule cosine; resume with the same, "
+            "or start anew in another --output-dir"
+        )
     ), proc.stderr
     assert (cosine / "checkpoint.pt").read_bytes() == before
 
 
-@pytest.mark.parametrize("change", [["--batch-size", "125"], ["--seed", "1"]], ids=["batch", "seed"])
-def test_mid_epoch_resume_with_another_sample_order_starts_the_epoch_again(no_launcher, tmp_path, capsys, change):
+@pytest.mark.parametrize(
+    "change", [["--batch-size", "125"], ["--seed", "1"]], ids=["batch", "seed"]
+)
+def test_mid_epoch_resume_with_another_sample_order_starts_the_epoch_again(
+    no_launcher, tmp_path, capsys, change
+):
     """Stopped after 6 of 16 steps at batch 120, resumed at batch 125 (still 16 steps per epoch)
     or another seed: the epoch's samples come in another order, so skipping "the first 6 steps'
     samples" would skip others than were trained. The epoch starts again instead."""
@@ -222,7 +267,9 @@ def test_rerun_with_nothing_left_to_do_keeps_the_metrics(no_launcher, tmp_path):
     """--max-steps 20 twice (15 steps per epoch): the second run finds step 20 already done and
     trains nothing, so the line of the partial epoch 1 stays (only a run that trains it again
     replaces it)."""
-    argv = list(map(str, [*MLP_ARGS, "--batch-size", "128", "--max-steps", "20", "--output-dir", tmp_path]))
+    argv = list(
+        map(str, [*MLP_ARGS, "--batch-size", "128", "--max-steps", "20", "--output-dir", tmp_path])
+    )
     ddp_train.main(argv)
     lines = (tmp_path / "metrics.jsonl").read_text()
     assert [m["epoch"] for m in read_metrics(tmp_path)] == [0, 1]

@@ -19,7 +19,17 @@ from conftest import (
 
 import common
 
-CHECKPOINT_KEYS = {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "steps_per_epoch", "world_size", "rng"}
+CHECKPOINT_KEYS = {
+    "model",
+    "optimizer",
+    "scheduler",
+    "scaler",
+    "epoch",
+    "step",
+    "steps_per_epoch",
+    "world_size",
+    "rng",
+}
 
 
 def check_outputs(out_dir, stdout, world_size):
@@ -69,8 +79,21 @@ def test_compiled_run_saves_plain_weights_and_matches_eager(tmp_path):
     # torch.compile wraps the model in an OptimizedModule whose state_dict keys start with
     # "_orig_mod."; the checkpoint must still hold the plain module's keys, and the compiled
     # steps must compute what the eager ones do. (Compiling on CPU takes ~30 s: few steps.)
-    steps = ["--data", "synthetic", "--device", "cpu", "--model", "mlp", "--lr", "0.05", "--max-steps", "3"]
-    run_python(["ddp_train.py", *steps, "--compile", "--output-dir", tmp_path / "compiled"], timeout=400)
+    steps = [
+        "--data",
+        "synthetic",
+        "--device",
+        "cpu",
+        "--model",
+        "mlp",
+        "--lr",
+        "0.05",
+        "--max-steps",
+        "3",
+    ]
+    run_python(
+        ["ddp_train.py", *steps, "--compile", "--output-dir", tmp_path / "compiled"], timeout=400
+    )
     run_python(["ddp_train.py", *steps, "--output-dir", tmp_path / "eager"])
     compiled, eager = load_ckpt(tmp_path / "compiled"), load_ckpt(tmp_path / "eager")
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in compiled["model"])
@@ -100,7 +123,18 @@ def test_dp_train_trains_through_dataparallel(no_launcher, tmp_path):
 
     no_launcher.setattr(torch.nn, "DataParallel", Spy)
     dp_train.main(
-        ["--data", "synthetic", "--device", "cpu", "--model", "mlp", "--max-steps", "3", "--batch-size", "32"]
+        [
+            "--data",
+            "synthetic",
+            "--device",
+            "cpu",
+            "--model",
+            "mlp",
+            "--max-steps",
+            "3",
+            "--batch-size",
+            "32",
+        ]
     )
     assert calls[:3] == [32, 32, 32]  # the training steps, then the test set (499 in batches of 64)
     assert sum(calls[3:]) == 499
@@ -117,7 +151,9 @@ def test_dataparallel_replicas_compute_in_the_dtype_asked_for():
 
     model = dp_train.Autocast(common.build_model("mlp", 1, 10), torch.float16)
     dtypes = []
-    model.module[1].register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
+    model.module[1].register_forward_hook(
+        lambda module, inputs, output: dtypes.append(output.dtype)
+    )
 
     def replica():
         with torch.autocast("cpu", enabled=True):  # what parallel_apply's threads do
@@ -154,8 +190,30 @@ def test_imagefolder_trains(tmp_path):
                 Image.new("RGB", (16, 16), tuple(v + 2 * i for v in colour)).save(
                     tmp_path / split / f"c{c}" / f"{i}.png"
                 )
-    argv = ["--data", "imagefolder", "--data-dir", tmp_path, "--device", "cpu", "--model", "mlp", "--workers", "1"]
+    argv = [
+        "--data",
+        "imagefolder",
+        "--data-dir",
+        tmp_path,
+        "--device",
+        "cpu",
+        "--model",
+        "mlp",
+        "--workers",
+        "1",
+    ]
     run_python(
-        ["ddp_train.py", *argv, "--batch-size", "8", "--epochs", "3", "--lr", "1", "--output-dir", tmp_path / "o"]
+        [
+            "ddp_train.py",
+            *argv,
+            "--batch-size",
+            "8",
+            "--epochs",
+            "3",
+            "--lr",
+            "1",
+            "--output-dir",
+            tmp_path / "o",
+        ]
     )
     assert read_metrics(tmp_path / "o")[-1]["test_acc"] == 1.0
