@@ -1,10 +1,10 @@
-"""DDP communication options (ddp_train.py --comm-hook): step time and bytes all-reduced.
+"""DDP communication options (ddp_comm.py --comm-hook): step time and bytes all-reduced.
 
     torchrun --standalone --nproc_per_node=2 benchmarks/comm_hooks.py --model cnn
     torchrun --standalone --nproc_per_node=2 benchmarks/comm_hooks.py \\
         --model resnet18 --batch-size 16
 
-One DDP model per option (none, fp16, bf16, powersgd), each set up by ddp_train.py's own
+One DDP model per option (none, fp16, bf16, powersgd), each set up by ddp_comm.py's own
 register_comm_hook(), trained in alternating rounds in the same processes so that the
 machine's drift cancels out. Batches are random tensors of Fashion-MNIST's shape: step time
 and bytes do not depend on the pixels. Bytes are what each rank hands to all-reduce per
@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import ddp_train  # noqa: E402
+import ddp_comm  # noqa: E402
 from common import MODELS, ArgumentParser, build_model, cleanup, init_distributed_mode  # noqa: E402
 
 HOOKS = ("none", "fp16", "bf16", "powersgd")
@@ -53,12 +54,12 @@ class ByteCounter:
 def main():
     p = ArgumentParser(description="DDP communication hooks: step time and bytes")
     p.add_argument(
-        "--model", default="cnn", choices=sorted(MODELS), help="network, as ddp_train.py --model"
+        "--model", default="cnn", choices=sorted(MODELS), help="network, as ddp_comm.py --model"
     )
     p.add_argument("--batch-size", type=int, default=128, help="samples per process per step")
     p.add_argument("--rounds", type=int, default=5, help="alternations over the options")
     p.add_argument("--steps", type=int, default=20, help="timed steps of each option per round")
-    p.add_argument("--powersgd-rank", type=int, default=4, help="as ddp_train.py --powersgd-rank")
+    p.add_argument("--powersgd-rank", type=int, default=4, help="as ddp_comm.py --powersgd-rank")
     p.add_argument(
         "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if present"
     )
@@ -74,7 +75,7 @@ def main():
         device, fmt = info.device, torch.channels_last
         models, opts_per_hook = {}, {}
         for hook in HOOKS:
-            args = ddp_train.get_args(
+            args = ddp_comm.get_args(
                 [
                     "--model",
                     opts.model,
@@ -90,8 +91,8 @@ def main():
             )
             torch.manual_seed(0)
             model = build_model(opts.model, 1, 10).to(device, memory_format=fmt)
-            model = ddp_train.wrap_ddp(model, info)
-            ddp_train.register_comm_hook(model, args, step=0, total_steps=1)
+            model = DDP(model, [info.device.index] if info.device.type == "cuda" else None)
+            ddp_comm.register_comm_hook(model, args, step=0, total_steps=1)
             models[hook] = model
             opts_per_hook[hook] = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         grad_bytes = sum(

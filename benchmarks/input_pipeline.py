@@ -1,6 +1,6 @@
-"""The input pipeline alone: one rank's pass over ddp_train.py's training loader (the same
-build_loaders(), defaults and sampler), with the copy to the device and the channels_last
-layout the training loop applies, but no model.
+"""The input pipeline alone: one rank's pass over ddp_train.py's training loader (the very
+loader its main() builds, with its defaults and sampler), with the copy to the device and the
+channels_last layout the training loop applies, but no model.
 
     python benchmarks/input_pipeline.py --world-size 2
 
@@ -8,6 +8,7 @@ Prints one JSON line with the mean milliseconds per batch. --threads 1 (the defa
 a worker under torchrun with 2 processes, which gets OMP_NUM_THREADS=1.
 """
 
+import contextlib
 import json
 import sys
 import time
@@ -17,7 +18,29 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ddp_train  # noqa: E402 - the repository root is on the path only now
-from common import ArgumentParser, DistInfo, load_datasets  # noqa: E402
+from common import ArgumentParser, DistInfo  # noqa: E402
+
+
+class Built(Exception):
+    pass
+
+
+def ddp_train_loader(argv, world_size):
+    """The training loader ddp_train.main(argv) builds on rank 0 of world_size processes: main
+    runs under a stand-in launcher until it has made its loaders (no process group needed)."""
+    made = []
+
+    def record(*args, **kwargs):
+        made.append(torch.utils.data.DataLoader(*args, **kwargs))
+        if len(made) == 2:  # the training loader, then the test loader
+            raise Built
+        return made[-1]
+
+    info = DistInfo(False, 0, 0, world_size, world_size, torch.device("cpu"))
+    ddp_train.DataLoader, ddp_train.init_distributed_mode = record, lambda **_: info
+    with contextlib.suppress(Built):
+        ddp_train.main(argv)
+    return made[0]
 
 
 def main():
@@ -34,18 +57,12 @@ def main():
     args, rest = p.parse_known_args()
     if args.world_size < 1 or args.threads < 1 or args.max_batches < 0:
         p.error("--world-size and --threads must be at least 1; --max-batches cannot be negative")
-    train_args = ddp_train.get_args(
-        rest
-    )  # every other flag is ddp_train.py's (--batch-size, --workers, ...)
+    # Every other flag is ddp_train.py's (--batch-size, --workers, ...).
+    train_args = ddp_train.get_args(rest)
     torch.set_num_threads(args.threads)
     device = torch.device("cpu")
-    # Rank 0 of world_size processes, without a process group: DistributedSampler is given
-    # num_replicas and rank explicitly, so it needs none.
-    info = DistInfo(False, 0, 0, args.world_size, args.world_size, device)
-    train_set, test_set, _, _ = load_datasets(
-        train_args.data, train_args.data_dir, train_args.download
-    )
-    sampler, loader, _ = ddp_train.build_loaders(train_args, train_set, test_set, info)
+    loader = ddp_train_loader(rest, args.world_size)
+    sampler = loader.sampler
     fmt = torch.channels_last if train_args.channels_last else torch.preserve_format
 
     sampler.set_epoch(0)

@@ -12,11 +12,11 @@ rounds in the same processes (each round starting with the next option), so that
 machine's drift, and other jobs on it, hit all alike.
   ddp        DDP: each bucket's all-reduce starts while backward still computes earlier layers
   blocking   no DDP wrapper: backward, then one blocking all-reduce of all gradients flattened
-             into one tensor (ddp_train.average_replicas), then the optimizer step
-  fp16, bf16, powersgd   DDP with ddp_train.py --comm-hook (ddp_train.register_comm_hook)
-  local4, local16        local SGD, ddp_train.py --local-sgd-period 4 / 16 --local-sgd-start 0:
+             into one tensor (ddp_comm.average_replicas), then the optimizer step
+  fp16, bf16, powersgd   DDP with ddp_comm.py --comm-hook (ddp_comm.register_comm_hook)
+  local4, local16        local SGD, ddp_comm.py --local-sgd-period 4 / 16 --local-sgd-start 0:
              the DDP hook sends no gradients, the weights are averaged every K steps
-  zero       DDP with ZeroRedundancyOptimizer around SGD (ddp_train.py --zero)
+  zero       DDP with ZeroRedundancyOptimizer around SGD (ddp_comm.py --zero)
 A step's time is a round's wall time over its steps, the slowest rank's, median over rounds.
 
 Bytes are counted, not assumed: torch.distributed's collectives are wrapped, and each adds the
@@ -38,9 +38,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import ddp_train  # noqa: E402
+import ddp_comm  # noqa: E402
 from common import MODELS, ArgumentParser, build_model, cleanup, init_distributed_mode  # noqa: E402
 
 OPTIONS = ("ddp", "blocking", "fp16", "bf16", "powersgd", "local4", "local16", "zero")
@@ -95,7 +96,11 @@ class Trainer:
         torch.manual_seed(0)
         model = build_model(opts.model, 1, 10).to(info.device, memory_format=torch.channels_last)
         self.params = list(model.parameters())
-        self.model = model if option == "blocking" else ddp_train.wrap_ddp(model, info)
+        self.model = (
+            model
+            if option == "blocking"
+            else DDP(model, [info.device.index] if info.device.type == "cuda" else None)
+        )
         flags = [
             "--model",
             opts.model,
@@ -109,9 +114,9 @@ class Trainer:
         self.period = int(option[5:]) if option.startswith("local") else 0
         if self.period:
             flags += ["--local-sgd-period", str(self.period), "--local-sgd-start", "0"]
-        args = ddp_train.get_args(flags)
+        args = ddp_comm.get_args(flags)
         if option != "blocking" and (args.comm_hook != "none" or self.period):
-            ddp_train.register_comm_hook(self.model, args, step=0, total_steps=1)
+            ddp_comm.register_comm_hook(self.model, args, step=0, total_steps=1)
         elif twin and option in ("ddp", "zero"):
             self.model.register_comm_hook(
                 None, default_hooks.allreduce_hook
@@ -126,12 +131,12 @@ class Trainer:
         loss = F.cross_entropy(self.model(images), labels)
         loss.backward()  # DDP's all-reduce (or its hook) runs in here, bucket by bucket
         if self.option == "blocking":
-            ddp_train.average_replicas([p.grad for p in self.params])  # all of it, after backward
+            ddp_comm.average_replicas([p.grad for p in self.params])  # all of it, after backward
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         if self.period and self.steps % self.period == 0:
-            ddp_train.average_replicas(self.params)
+            ddp_comm.average_replicas(self.params)
 
 
 def main():
@@ -139,7 +144,7 @@ def main():
         description="DDP's overlap, a blocking all-reduce, local SGD and ZeRO: step time and bytes"
     )
     p.add_argument(
-        "--model", default="cnn", choices=sorted(MODELS), help="network, as ddp_train.py --model"
+        "--model", default="cnn", choices=sorted(MODELS), help="network, as ddp_comm.py --model"
     )
     p.add_argument("--batch-size", type=int, default=128, help="samples per process per step")
     p.add_argument("--rounds", type=int, default=10, help="alternations over the options")
@@ -149,7 +154,7 @@ def main():
         default=16,
         help="timed steps of each option per round (a multiple of 16)",
     )
-    p.add_argument("--powersgd-rank", type=int, default=4, help="as ddp_train.py --powersgd-rank")
+    p.add_argument("--powersgd-rank", type=int, default=4, help="as ddp_comm.py --powersgd-rank")
     p.add_argument(
         "--options", nargs="+", default=list(OPTIONS), choices=OPTIONS, help="which to compare"
     )

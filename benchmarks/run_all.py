@@ -234,7 +234,7 @@ def commands(*records):
 
 def fashion_mnist_root(data_dir, work_dir):
     """A torchvision root with the unzipped Fashion-MNIST files, which torchvision's own data
-    set class (the baseline recipe; ddp_train.py on a machine without Debian's package) needs:
+    set class (the baseline recipe and the scripts) needs:
     data_dir if it has them; else the gzipped files, from data_dir/FashionMNIST/raw (the
     smaller copy to carry to a machine without internet) or from Debian's dataset-fashion-mnist,
     gunzipped into the work directory; None if there are none."""
@@ -501,15 +501,12 @@ def section_overhead(runner, args, cfg):
         "tensors, "
         "without DataLoader, sampler, schedule, logging or checks: the limit for ddp_train.py on "
         "this machine. "
-        "The first row is ddp_train.py's overhead (issue 2's target: at most 1.10): "
-        "benchmarks/overhead.py "
-        "alternates rounds of the bare loop and of ddp_train.train_one_epoch() on the same DDP "
-        "model in the "
-        "same two processes, which cancels the machine's drift. The rows below it compare "
-        "separate runs "
-        "minutes apart, where that drift (up to 30% here) swamps the difference. The input "
-        "pipeline row "
-        "iterates ddp_train.build_loaders()' training loader without a model.",
+        "The first row is ddp_train.py's overhead (the target: at most 1.10): "
+        "benchmarks/overhead.py alternates rounds of the bare loop and of ddp_train.main() "
+        "in the same two processes, which cancels the machine's drift. The rows below it "
+        "compare separate runs minutes apart, where that drift (up to 30% here) swamps the "
+        "difference. The input pipeline row iterates the training loader ddp_train.main() "
+        "builds, without a model.",
     ]
     lines += commands(inter, ddp, bare, pipe)
     return lines, data
@@ -574,7 +571,7 @@ def gpu_off():
 
 
 def section_comm_hooks(runner, args, cfg):
-    lines = ["## d1. DDP communication hooks (ddp_train.py --comm-hook), 2 processes", ""]
+    lines = ["## d1. DDP communication hooks (ddp_comm.py --comm-hook), 2 processes", ""]
     hooks = ("none", "fp16", "bf16", "powersgd")
     rows, data, records = [], {}, []
     for model, flags in cfg["comm"]:
@@ -625,7 +622,7 @@ def section_comm_hooks(runner, args, cfg):
         "",
         "Each option trains its own DDP model in alternating rounds in the same two processes "
         "(medians over "
-        "rounds), set up by ddp_train.register_comm_hook(); PowerSGD at rank "
+        "rounds), set up by ddp_comm.register_comm_hook(); PowerSGD at rank "
         f"{next(iter(data.values()))['powersgd_rank'] if data else '?'}, compressing from the "
         f"third step. "
         "Bytes: what each rank hands to all-reduce per step (counted at "
