@@ -92,7 +92,7 @@ class Autocast(nn.Module):
     fp16 even when bf16 was asked for. And its replicas are contiguous copies of the weights:
     an NHWC input keeps each replica's convolutions NHWC."""
 
-    def __init__(self, module, dtype, memory_format):
+    def __init__(self, module, dtype, memory_format=torch.preserve_format):
         super().__init__()
         self.module, self.dtype, self.memory_format = module, dtype, memory_format
 

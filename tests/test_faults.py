@@ -460,8 +460,19 @@ def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, plain_process,
     """A disk that fills up while the checkpoint is written: one line, exit 1, the previous
     checkpoint whole and no temporary file left behind."""
     out = tmp_path / "run"
-    args = [*SYNTHETIC, "--model", "mlp", "--epochs", "2", "--max-steps", "62", "--output-dir", out]
-    ddp_train.main(args)  # a whole first epoch
+    args = [
+        *SYNTHETIC,
+        "--model",
+        "mlp",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "32",
+        "--output-dir",
+        out,
+    ]
+    args += ["--max-steps", "62"]
+    ddp_train.main([str(a) for a in args])  # a whole first epoch
     before = (out / "checkpoint.pt").read_bytes()
     real_save = torch.save
 
