@@ -11,6 +11,7 @@ from conftest import (
     METRIC_KEYS,
     MLP_ARGS,
     assert_state_close,
+    free_port,
     load_ckpt,
     max_abs_diff,
     read_metrics,
@@ -122,20 +123,8 @@ def test_dp_train_trains_through_dataparallel(no_launcher, tmp_path):
             return super().forward(*inputs, **kwargs)
 
     no_launcher.setattr(torch.nn, "DataParallel", Spy)
-    dp_train.main(
-        [
-            "--data",
-            "synthetic",
-            "--device",
-            "cpu",
-            "--model",
-            "mlp",
-            "--max-steps",
-            "3",
-            "--batch-size",
-            "32",
-        ]
-    )
+    argv = ["--data", "synthetic", "--device", "cpu", "--model", "mlp", "--max-steps", "3"]
+    dp_train.main([*argv, "--batch-size", "32"])
     assert calls[:3] == [32, 32, 32]  # the training steps, then the test set (499 in batches of 64)
     assert sum(calls[3:]) == 499
 
@@ -163,6 +152,52 @@ def test_dataparallel_replicas_compute_in_the_dtype_asked_for():
     thread.start()
     thread.join()
     assert dtypes == [torch.float16]
+
+
+def test_dataparallel_replicas_compute_channels_last():
+    """DataParallel's replicas are contiguous (NCHW) copies of the weights, and scatter may hand
+    them NCHW pieces; dp_train's wrapper gives every replica an NHWC batch, so that its
+    convolutions compute NHWC. Shown on a model with NCHW weights, as a replica has."""
+    import dp_train
+
+    model = common.build_model("cnn", 3, 10, image_size=32)
+    conv = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
+    nhwc = []
+    conv.register_forward_hook(
+        lambda module, inputs, out: nhwc.append(
+            out.is_contiguous(memory_format=torch.channels_last)
+        )
+    )
+    with torch.no_grad():
+        dp_train.Autocast(model, None, torch.channels_last)(torch.randn(4, 3, 32, 32))
+    assert nhwc == [True]
+
+
+def test_dp_train_under_torchrun_destroys_its_process_group(no_launcher):
+    """torchrun with one process: init_distributed_mode forms a group (as it does for DDP),
+    and dp_train.py must tear it down again, also without a launcher of several processes."""
+    import torch.distributed as dist
+
+    import dp_train
+
+    env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    for name, value in dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
+        no_launcher.setenv(name, value)
+    argv = ["--data", "synthetic", "--device", "cpu", "--model", "mlp", "--max-steps", "1"]
+    up, evaluate = [], dp_train.evaluate
+
+    def evaluate_and_look(*args):
+        up.append(dist.is_initialized())
+        return evaluate(*args)
+
+    no_launcher.setattr(dp_train, "evaluate", evaluate_and_look)
+    try:
+        dp_train.main(argv)
+        assert up == [True]  # a group was up while it trained
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
