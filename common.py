@@ -276,7 +276,7 @@ def seed_everything(seed):
     torch.manual_seed(seed)  # seeds every CUDA device too
 
 
-# Data: decoded once into in-memory tensors (24x cheaper than PIL + ToTensor per sample) ---
+# Data: decoded once into in-memory tensors, not PIL + ToTensor per sample each epoch ----------
 
 DATASETS = ("fashion-mnist", "mnist", "cifar10", "imagefolder", "synthetic")
 
@@ -345,11 +345,13 @@ def _load_imagefolder(data_dir, image_size):
     test_tf = [T.Resize(int(image_size * 8 / 7)), T.CenterCrop(image_size)]
     out = []
     for split, tf in (("train", train_tf), ("val", test_tf)):
+        folder = Path(data_dir, split)
         try:
             tf = T.Compose([*tf, T.ToTensor(), norm])
-            out.append(datasets.ImageFolder(Path(data_dir, split), transform=tf))
+            out.append(datasets.ImageFolder(folder, transform=tf))
         except OSError as e:  # no such folder, or no images in it
-            fail(f"imagefolder: {first_line(e)}; expected DIR/train/<class>/*, DIR/val/<class>/*")
+            why = first_line(e) if folder.is_dir() else f"{folder} is missing"
+            fail(f"imagefolder: {why}; expected DIR/train/<class>/*, DIR/val/<class>/*")
     if out[0].classes != out[1].classes:
         fail(f"imagefolder: {data_dir}/train and {data_dir}/val have different class folders")
     return out

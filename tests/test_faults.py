@@ -702,7 +702,7 @@ def test_more_processes_than_gpus_is_refused(tmp_path, plain_process):
     # torchrun with two processes on this node: the second has no GPU of its own.
     for name, value in dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2").items():
         plain_process.setenv(name, value)
-    with pytest.raises(SystemExit, match="local rank 1 has no GPU: this node shows it 1"):
+    with pytest.raises(SystemExit, match="local rank 1 has no GPU: this node shows 1"):
         common.init_distributed_mode(device="cuda")
 
 
