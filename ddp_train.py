@@ -322,61 +322,63 @@ def main(argv=None):
             loss_sum, count, first_bad = torch.tensor([0, 0, math.inf], device=device).double()
             model.train()
             t0 = time.perf_counter()
-            bar = tqdm(
-                total=steps, desc=f"epoch {epoch}", disable=rank != 0, mininterval=1, leave=False
-            )
-            for i, (images, labels) in enumerate(train_loader):
-                images = images.to(device, non_blocking=True)
-                if args.augment:
-                    images = random_crop_flip(images)
-                images = images.contiguous(memory_format=memory_format)
-                labels = labels.to(device, non_blocking=True)
-                # Gradient accumulation: no_sync() keeps all but the last micro-batch's
-                # gradients local, where they add up in .grad: one all-reduce per step.
-                last_micro = (i + 1) % args.accum_steps == 0
-                sync = last_micro or not info.distributed
-                with contextlib.nullcontext() if sync else model.no_sync():
-                    with autocast():
-                        logits = model(images)
-                        loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
-                    # The step's gradient is the mean over its micro-batches.
-                    scaler.scale(loss / args.accum_steps).backward()
-                loss = loss.detach()
-                loss_sum += loss * labels.numel()
-                count += labels.numel()
-                first_bad = torch.where(loss.isfinite(), first_bad, first_bad.clamp(max=step))
-                if not last_micro:
-                    continue
-                if args.clip_grad > 0:
-                    scaler.unscale_(optimizer)  # clip the true gradients, not fp16-scaled ones
-                    nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
-                scaler.step(optimizer)  # skipped if fp16 gradients overflowed
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                scheduler.step()
-                step, done = step + 1, done + 1
-                bar.update()
-                last = done == steps or step == args.max_steps
-                snapshot = args.save_every and step % args.save_every == 0 and not last
-                if step % args.log_every == 0 or last or snapshot:
-                    # One all-reduce per log step (all ranks participate) feeds the bar, and
-                    # every rank sees the same NaN: all stop before it replaces a good checkpoint.
-                    totals = reduce_value(torch.stack([loss_sum, count]))
-                    if not totals.isfinite().all():
-                        bar.close()
-                        if info.distributed:
-                            dist.all_reduce(first_bad, dist.ReduceOp.MIN)
-                        fix = "lower --lr, add --clip-grad, or use --amp bf16 instead of fp16"
-                        fail(f"non-finite loss at step {int(first_bad)}: {fix}")
-                    train_loss = (totals[0] / totals[1]).item()
-                    bar.set_postfix(
-                        loss=f"{train_loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.3g}"
-                    )
-                if snapshot:
-                    save(step)  # a mid-epoch checkpoint; all ranks participate
-                if last:
-                    break
-            bar.close()
+            # `with`: the bar is closed also when an error ends the epoch, so the error's
+            # line is a line of its own.
+            bar = tqdm(total=steps, desc=f"epoch {epoch}", disable=rank != 0, leave=False)
+            with bar:
+                for i, (images, labels) in enumerate(train_loader):
+                    images = images.to(device, non_blocking=True)
+                    if args.augment:
+                        images = random_crop_flip(images)
+                    images = images.contiguous(memory_format=memory_format)
+                    labels = labels.to(device, non_blocking=True)
+                    # Gradient accumulation: no_sync() keeps all but the last micro-batch's
+                    # gradients local, where they add up in .grad: one all-reduce per step.
+                    last_micro = (i + 1) % args.accum_steps == 0
+                    sync = last_micro or not info.distributed
+                    with contextlib.nullcontext() if sync else model.no_sync():
+                        with autocast():
+                            logits = model(images)
+                            loss = F.cross_entropy(
+                                logits, labels, label_smoothing=args.label_smoothing
+                            )
+                        # The step's gradient is the mean over its micro-batches.
+                        scaler.scale(loss / args.accum_steps).backward()
+                    loss = loss.detach()
+                    loss_sum += loss * labels.numel()
+                    count += labels.numel()
+                    first_bad = torch.where(loss.isfinite(), first_bad, first_bad.clamp(max=step))
+                    if not last_micro:
+                        continue
+                    if args.clip_grad > 0:
+                        scaler.unscale_(optimizer)  # clip the true gradients, not fp16-scaled ones
+                        nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+                    scaler.step(optimizer)  # skipped if fp16 gradients overflowed
+                    scaler.update()
+                    optimizer.zero_grad(set_to_none=True)
+                    scheduler.step()
+                    step, done = step + 1, done + 1
+                    bar.update()
+                    last = done == steps or step == args.max_steps
+                    snapshot = args.save_every and step % args.save_every == 0 and not last
+                    if step % args.log_every == 0 or last or snapshot:
+                        # One all-reduce per log step (all ranks participate) feeds the bar,
+                        # and every rank sees the same NaN: all stop before it can replace a
+                        # good checkpoint.
+                        totals = reduce_value(torch.stack([loss_sum, count]))
+                        if not totals.isfinite().all():
+                            if info.distributed:
+                                dist.all_reduce(first_bad, dist.ReduceOp.MIN)
+                            fix = "lower --lr, add --clip-grad, or use --amp bf16 instead of fp16"
+                            fail(f"non-finite loss at step {int(first_bad)}: {fix}")
+                        train_loss = (totals[0] / totals[1]).item()
+                        bar.set_postfix(
+                            loss=f"{train_loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.3g}"
+                        )
+                    if snapshot:
+                        save(step)  # a mid-epoch checkpoint; all ranks participate
+                    if last:
+                        break
             seconds = time.perf_counter() - t0  # the loss all-reduce above synchronised
 
             # BatchNorm's running statistics are per rank until DDP copies rank 0's at the
