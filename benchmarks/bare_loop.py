@@ -26,7 +26,13 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import ArgumentParser, build_model, cleanup, init_distributed_mode, load_datasets  # noqa: E402
+from common import (  # noqa: E402 - the repository root is on the path only now
+    ArgumentParser,
+    build_model,
+    cleanup,
+    init_distributed_mode,
+    load_datasets,
+)
 
 
 def main():

@@ -4,11 +4,13 @@
 
 Each round runs `--steps` steps of a bare loop (random batches straight from the in-memory
 tensors: forward, backward, SGD step, nothing else) and then ddp_train.main() itself for
-`--steps` + 1 steps in the same process group (DataLoader, DistributedSampler, schedule, AMP
-scaler, progress bar, loss sums and non-finite checks); its step time is the time between the
-first and the last training forward. Alternating the two in one run cancels the drift of a
-shared machine, which between two separate runs is larger than the difference measured.
-Prints one JSON line on rank 0.
+`--steps` + 1 steps of its first epoch, in the same process group (DataLoader,
+DistributedSampler, schedule, AMP scaler, progress bar, loss sums and non-finite checks); its
+step time is the time between the first and the last training forward, so its start-up and
+the evaluation after the epoch stay out. Alternating the two in one run cancels the drift of
+a shared machine, which between two separate runs is larger than the difference measured.
+Both run ddp_train.py's defaults (model, batch size, channels_last). Prints one JSON line on
+rank 0.
 """
 
 import contextlib
@@ -25,14 +27,21 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ddp_train  # noqa: E402
-from common import ArgumentParser, build_model, cleanup, init_distributed_mode, load_datasets  # noqa: E402
+from common import (  # noqa: E402 - the repository root is on the path only now
+    DATASETS,
+    ArgumentParser,
+    build_model,
+    cleanup,
+    fail,
+    init_distributed_mode,
+    load_datasets,
+)
 
 
 def main():
     p = ArgumentParser(description="ddp_train.py's step against a bare DDP loop")
-    p.add_argument(
-        "--data-dir", default="data", help="root holding FashionMNIST/raw (as ddp_train.py)"
-    )
+    p.add_argument("--data", default="fashion-mnist", choices=DATASETS, help="as ddp_train.py")
+    p.add_argument("--data-dir", default="data", help="data root (as ddp_train.py)")
     p.add_argument(
         "--rounds", type=int, default=8, help="alternations of bare loop and script loop"
     )
@@ -43,7 +52,8 @@ def main():
     opts = p.parse_args()
     if opts.rounds < 1 or opts.steps < 1:
         p.error("--rounds and --steps must be at least 1")
-    args = ddp_train.get_args(["--data-dir", opts.data_dir])  # the defaults
+    data = ["--data", opts.data, "--data-dir", opts.data_dir]
+    args = ddp_train.get_args(data)  # the defaults
     info = init_distributed_mode(device=opts.device)
     # ddp_train.main() runs in this process group, and leaves it up.
     ddp_train.init_distributed_mode, ddp_train.cleanup = lambda **_: info, lambda: None
@@ -51,11 +61,18 @@ def main():
         torch.manual_seed(0)
         train_set, _, num_classes, in_channels = load_datasets(args.data, args.data_dir)
         fmt = torch.channels_last
-        model = build_model(args.model, in_channels, num_classes).to(info.device, memory_format=fmt)
-        if info.distributed:
-            model = DDP(model, [info.device.index] if info.device.type == "cuda" else None)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+        size = train_set.images.shape[-1]
+        model = build_model(args.model, in_channels, num_classes, image_size=size)
+        model = model.to(info.device, memory_format=fmt)
+        if info.distributed:  # DDP as ddp_train.py sets it up
+            device_ids = [info.device.index] if info.device.type == "cuda" else None
+            model = DDP(model, device_ids, gradient_as_bucket_view=True)
+        opt = torch.optim.SGD(
+            model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4, nesterov=True
+        )
         x, y = train_set.images, train_set.labels
+        if (epoch := len(y) // info.world_size // args.batch_size) <= opts.steps:
+            fail(f"--steps {opts.steps}: at most {epoch - 1} (one epoch of ddp_train.py's)")
 
         def sync():
             if info.device.type == "cuda":
@@ -82,7 +99,7 @@ def main():
                     stamps.append(time.perf_counter())
 
             hook = torch.nn.modules.module.register_module_forward_pre_hook(stamp)
-            argv = ["--data-dir", opts.data_dir, "--device", info.device.type, "--seed", seed]
+            argv = [*data, "--device", info.device.type, "--seed", seed, "--epochs", 1]
             with contextlib.redirect_stdout(io.StringIO()):
                 ddp_train.main([*map(str, argv), "--max-steps", str(opts.steps + 1)])
             hook.remove()

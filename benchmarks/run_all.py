@@ -22,7 +22,6 @@ Runs are sequential, each with a timeout; compare figures as ratios within one r
 
 import argparse
 import contextlib
-import gzip
 import json
 import os
 import platform
@@ -46,7 +45,6 @@ RAW_FILES = (
     "t10k-images-idx3-ubyte",
     "t10k-labels-idx1-ubyte",
 )
-DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 
 
 def log(message):
@@ -94,9 +92,8 @@ class Runner:
         if key in self.by_cmd:
             return self.by_cmd[key]
         run_dir = self.work_dir / name
-        shutil.rmtree(
-            run_dir, ignore_errors=True
-        )  # ddp_train.py would resume from an old checkpoint
+        # A fresh directory: ddp_train.py would resume from an old run's checkpoint.
+        shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
         full = [*cmd, "--output-dir", str(run_dir.relative_to(ROOT))] if output_dir else list(cmd)
         log(f"[{time.strftime('%H:%M:%S')}] {name}: {show(full)}")
@@ -144,9 +141,7 @@ class Runner:
         if status != 0 or not (metrics or printed):
             # The last lines of the output, made safe for a markdown table cell.
             tail = " / ".join(ln.strip() for ln in text.strip().splitlines()[-3:]) or "no output"
-            if not isinstance(
-                status, int
-            ):  # timed out: the tail is only the stop signal's traceback
+            if not isinstance(status, int):  # timed out: the tail is the stop's traceback
                 tail = f"see {run_dir.relative_to(ROOT) / 'output.log'}"
             record["error"] = tail.replace("|", "\\|")[-400:]
         log(f"    -> {'ok' if status == 0 else 'FAILED: ' + str(status)} in {wall:.0f} s")
@@ -232,27 +227,19 @@ def commands(*records):
 # Data
 
 
-def fashion_mnist_root(data_dir, work_dir):
-    """A torchvision root with the unzipped Fashion-MNIST files, which torchvision's own data
-    set class (the baseline recipe and the scripts) needs:
-    data_dir if it has them; else the gzipped files, from data_dir/FashionMNIST/raw (the
-    smaller copy to carry to a machine without internet) or from Debian's dataset-fashion-mnist,
-    gunzipped into the work directory; None if there are none."""
-    if all((ROOT / data_dir / "FashionMNIST" / "raw" / f).is_file() for f in RAW_FILES):
-        return data_dir  # relative paths are relative to the repository root, where the scripts run
-    for source in (ROOT / data_dir / "FashionMNIST" / "raw", DEBIAN_FASHION_MNIST):
-        if all((source / f"{f}.gz").is_file() for f in RAW_FILES):
-            break
-    else:
-        return None
-    root = work_dir / "data"
-    raw = root / "FashionMNIST" / "raw"
-    raw.mkdir(parents=True, exist_ok=True)
-    for f in RAW_FILES:
-        if not (raw / f).is_file():
-            with gzip.open(source / f"{f}.gz") as src, open(raw / f, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-    return str(root.relative_to(ROOT))
+def has_fashion_mnist(data_dir):
+    """Whether data_dir holds the unzipped Fashion-MNIST files in torchvision's layout
+    (DATA_DIR/FashionMNIST/raw/*-ubyte), which the scripts and the baseline recipe read.
+    A relative data_dir is relative to the repository root, where the scripts run."""
+    raw = ROOT / data_dir / "FashionMNIST" / "raw"
+    return all((raw / f).is_file() for f in RAW_FILES)
+
+
+# Where the files are missing: what to do, offline too (README.md, Data).
+NO_FASHION_MNIST = (
+    "no Fashion-MNIST files (*-ubyte) in {}/FashionMNIST/raw: add --download to a script once, "
+    "or gunzip Debian's dataset-fashion-mnist there (README.md, Data)"
+)
 
 
 # ----------------------------------------------------------------------------------------
@@ -314,19 +301,13 @@ def section_time_to_accuracy(runner, args, cfg):
     lines = ["## a. Time to accuracy on Fashion-MNIST", ""]
     configs_ = [("ddp_train.py, 2 processes", ddp_run(runner, args, cfg, 2))]
     configs_.append(("ddp_train.py, 1 process", ddp_run(runner, args, cfg, 1)))
-    root = fashion_mnist_root(args.data_dir, runner.work_dir)
-    if root is None:
-        lines += [
-            "Baseline not run: no Fashion-MNIST files in data/FashionMNIST/raw or Debian's "
-            "package.",
-            "",
-        ]
+    if not has_fashion_mnist(args.data_dir):
+        lines += ["Baseline not run: " + NO_FASHION_MNIST.format(args.data_dir) + ".", ""]
         baseline = None
     else:
         device = ["--device", "cpu"] if torch.cuda.is_available() else []
-        cmd = torchrun(
-            2, "benchmarks/baseline_recipe.py", "--data-dir", str(root), *device, *cfg["baseline"]
-        )
+        flags = ["--data-dir", args.data_dir, *device, *cfg["baseline"]]
+        cmd = torchrun(2, "benchmarks/baseline_recipe.py", *flags)
         baseline = runner.run("baseline_recipe_2proc", cmd, cfg["timeout"], output_dir=True)
         configs_.append(("baseline recipe, 2 processes", baseline))
     target = baseline["metrics"][-1]["test_acc"] if baseline and ok(baseline) else None
@@ -808,10 +789,8 @@ def section_quantize(runner, args, cfg):
 GPU_TARGET = 0.94
 GPU_BATCH = "256"
 GPU_RECIPE = [
-    *(
-        "--data",
-        "fashion-mnist",
-    ),  # its files travel with the working tree: GPU machines may be offline
+    # Its files must be in --data-dir already: GPU machines may be offline (no --download).
+    *("--data", "fashion-mnist"),
     *("--model", "resnet18", "--amp", "bf16", "--channels-last"),
     # Shifts of up to 4 pixels and left-right flips, on the GPU. ResNet-18's 11 M weights learn
     # the 60 k training images by heart within a few epochs; these keep every garment's label
@@ -835,15 +814,10 @@ def section_gpu(runner, args, cfg):
     ]
     if not torch.cuda.is_available():
         return lines + ["not run: no CUDA device"], dict(status="not run: no CUDA device")
-    root = fashion_mnist_root(args.data_dir, runner.work_dir)
-    if root is None:
-        status = (
-            f"not run: no Fashion-MNIST files (*-ubyte or *-ubyte.gz) in "
-            f"{args.data_dir}/FashionMNIST/raw, "
-            "nor Debian's dataset-fashion-mnist; copy them there (see benchmarks/README.md)"
-        )
+    if not has_fashion_mnist(args.data_dir):
+        status = "not run: " + NO_FASHION_MNIST.format(args.data_dir)
         return lines + [status], dict(status=status)
-    data = ["--data-dir", str(root)]
+    data = ["--data-dir", args.data_dir]
     trained, bare, records = {}, {}, []
     for label, extra in GPU_CONFIGS:
         name = "gpu_resnet18_" + label.replace("torch.", "")

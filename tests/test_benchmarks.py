@@ -2,7 +2,9 @@
 the machines that run these tests lack. Its flags still train here: the same recipe on CPU,
 with synthetic data, a small batch, two steps and no torch.compile (tested on its own in
 test_scripts.py and tests/test_gpu.py), and the bare loop it is compared with runs a few steps
-with its flags, so that a renamed flag or a broken combination shows before a GPU run."""
+with its flags, so that a renamed flag or a broken combination shows before a GPU run.
+The overhead and input-pipeline benchmarks run ddp_train.main() itself: a few steps of each
+show when main() changes under them."""
 
 import importlib.util
 import json
@@ -56,3 +58,24 @@ def test_transfer_benchmark_refuses_impossible_flags_before_its_base_run():
         proc = run_python(["benchmarks/transfer.py", *flags], check=False, timeout=30)
         assert proc.returncode == 2 and "transfer.py: error:" in proc.stderr, proc.stderr
         assert "$ finetune.py" not in proc.stdout  # nothing was started
+
+
+def last_json(proc):
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_overhead_benchmark_times_ddp_train_main():
+    # overhead.py runs ddp_train.main() itself between rounds of its bare loop: a change to
+    # main() that it relies on (its forward, its launcher, --max-steps) shows here.
+    flags = ["--data", "synthetic", "--device", "cpu", "--rounds", "1", "--steps", "2"]
+    result = last_json(run_python(["benchmarks/overhead.py", *flags]))
+    assert result["bare_ms_per_step"] > 0 and result["script_ms_per_step"] > 0
+    assert len(result["ratio_per_round"]) == 1 and result["world_size"] == 1
+
+
+def test_input_pipeline_benchmark_iterates_ddp_train_loader():
+    # input_pipeline.py takes the training loader ddp_train.main() builds: 2000 synthetic
+    # samples, rank 0 of 2, batch 64 make 15 full batches.
+    flags = [*SYNTHETIC, "--world-size", "2", "--batch-size", "64"]
+    result = last_json(run_python(["benchmarks/input_pipeline.py", *flags]))
+    assert result["batches"] == 15 and result["batch_size"] == 64 and result["ms_per_batch"] > 0

@@ -408,9 +408,8 @@ def test_mp_spawn_one_process(run):
 def test_dp_train_bf16(run):
     """dp_train.py with --amp bf16 over every visible GPU: the output contract, and the same
     training as one DDP process within bf16's rounding."""
-    out, _ = run(
-        "dp_train.py", [*DATA, *MLP_STEPS, "--amp", "bf16"]
-    )  # one process: no --dist-timeout
+    # One process: no --dist-timeout.
+    out, _ = run("dp_train.py", [*DATA, *MLP_STEPS, "--amp", "bf16"])
     ckpt, _ = check_contract(out, ddp_model("mlp"), loss_tol=0.02, acc_tol=0.02)
     reference, _ = run("ddp_train.py", MLP, nproc=1)
     assert_same_training(ckpt["model"], load_ckpt(reference)["model"], initial(run, "mlp"), AMP_TOL)
@@ -563,9 +562,8 @@ def test_finetune(run):
     [record] = read_metrics(out)
     assert record.keys() >= METRIC_KEYS
     loss, acc = common.evaluate(net, synthetic_test_loader(), torch.device("cpu"))
-    assert loss == pytest.approx(
-        record["test_loss"], abs=5e-3, rel=5e-3
-    )  # TF32 convolutions on the GPU
+    # TF32 convolutions on the GPU round.
+    assert loss == pytest.approx(record["test_loss"], abs=5e-3, rel=5e-3)
     assert acc == pytest.approx(record["test_acc"], abs=2 / 499)
 
 
