@@ -145,6 +145,7 @@ def _download_rank(rank, world, local_ranks, port, log):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_download_happens_once_per_node_while_the_others_wait(tmp_path):
     """torchvision downloads into the final file names: ranks downloading at once truncate
     each other's files. Global rank 0 downloads first, then the first process of the other
@@ -165,6 +166,7 @@ def test_download_happens_once_per_node_while_the_others_wait(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_small_images_train_at_their_own_size(tmp_path):
     """An ImageFolder of 28x28 images: the crop defaults to 28, not 224 (64x the compute)."""
     from PIL import Image

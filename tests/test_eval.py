@@ -17,6 +17,7 @@ from conftest import (
 )
 
 
+@pytest.mark.slow
 def test_training_run_evaluates_exactly(ddp_run):
     # metrics.jsonl keeps full precision: the 2-process figures of the last epoch were
     # computed on the very weights the checkpoint holds.
@@ -28,6 +29,7 @@ def test_training_run_evaluates_exactly(ddp_run):
     assert last["test_acc"] == acc  # a count over 499: exact or wrong
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_eval_only_matches_single_process(ddp_run, nproc):
     out, _ = ddp_run
@@ -48,6 +50,7 @@ def test_eval_only_matches_single_process(ddp_run, nproc):
     assert int(samples) == 499
 
 
+@pytest.mark.slow
 def test_three_processes_evaluate_exactly(tmp_path):
     # The MLP has no BatchNorm, so every rank holds rank 0's weights: the figures written at
     # full precision by 3 processes (shards of 167, 166, 166) are one process's.

@@ -206,6 +206,7 @@ def check_resumed_exactly(out, text, uninterrupted):
 @pytest.mark.parametrize(
     "launch", ["standalone", "static rendezvous", "standalone, opt-out variable"]
 )
+@pytest.mark.slow
 def test_torchrun_restart_resumes_mid_epoch(tmp_path, uninterrupted, launch):
     """The plain command with --max-restarts: a worker killed in the middle of epoch 0 makes
     torchrun restart the group, which resumes from the mid-epoch snapshot. torchrun hands the
@@ -226,6 +227,7 @@ def test_torchrun_restart_resumes_mid_epoch(tmp_path, uninterrupted, launch):
     check_resumed_exactly(out, log.read_text(), uninterrupted)
 
 
+@pytest.mark.slow
 def test_restart_across_two_torchrun_nodes(tmp_path, uninterrupted):
     """Two torchrun agents ("nodes", one worker each) joined by c10d rendezvous. Each agent
     counts only its own restarts, so after a kill the two workers of the new attempt see
@@ -266,6 +268,7 @@ def test_restart_across_two_torchrun_nodes(tmp_path, uninterrupted):
     check_resumed_exactly(out, text, uninterrupted)
 
 
+@pytest.mark.slow
 def test_mp_spawn_child_killed_ends_job_and_rerun_resumes(tmp_path):
     """ddp_mp_spawn.py checkpoints at the end of each epoch: killed in epoch 1, its rerun
     resumes at epoch 1 and finishes."""
@@ -494,6 +497,7 @@ def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, plain_process,
 # Peers that never come or stop answering, and a non-finite loss
 
 
+@pytest.mark.slow
 def test_peer_that_never_joins_ends_within_the_timeout(tmp_path):
     out = tmp_path / "out"
     port = free_port()
@@ -593,6 +597,7 @@ def test_ranks_agree_on_the_first_non_finite_step(tmp_path):
         assert (tmp_path / rank).read_text().startswith("error: non-finite loss at step 5:")
 
 
+@pytest.mark.slow
 def test_peer_that_stops_answering_ends_the_job_within_the_timeout(tmp_path):
     """Rank 1 freezes (SIGSTOP) in the middle of training: rank 0 stops after --dist-timeout."""
     out = tmp_path / "run"

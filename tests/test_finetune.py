@@ -105,6 +105,7 @@ def test_partial_finetune_trains_layer4_and_keeps_frozen_statistics(tmp_path, pr
     assert backbone_lr_scale == pytest.approx(0.1)  # the default
 
 
+@pytest.mark.slow
 def test_torchrun_matches_single_process(tmp_path, probe, pretrained):
     # Head only: every BatchNorm is frozen (eval mode), so each sample's features do not
     # depend on the rest of its batch, and 2 x 16 equals 1 x 32 up to float rounding.
@@ -195,6 +196,7 @@ def ddp_resnet18(tmp_path_factory):
     return out / "checkpoint.pt"
 
 
+@pytest.mark.slow
 def test_ddp_train_resnet18_fine_tunes_on_other_classes(tmp_path, ddp_resnet18):
     # Its stem (3x3 on 1 channel, against 7x7 on 3) and its 10-class head are skipped and
     # reported; everything else loads. 5 classes here: another class count, by name.
@@ -387,6 +389,7 @@ def _fetch_rank(rank, world, nodes, port, tmp):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_weights_download_once_per_node_while_the_others_wait(tmp_path):
     """Processes downloading into one cache at once could spoil the file. Global rank 0
     downloads first, then the first process of the other node; rank 1 (node 0's second

@@ -86,6 +86,7 @@ def initial_model():
     return model_parallel.build_model(1, 10)
 
 
+@pytest.mark.slow
 def test_default_devices_are_two_stages_on_cpu(mp_runs):
     _, proc = mp_runs("naive")
     assert "mode 1: one process, 2 stages, 1 micro-batch(es), bubble 50%" in proc.stdout
@@ -134,6 +135,7 @@ def test_microbatches_form_a_wavefront():
     assert calls == [0, 0, 1, 0, 1, 2, 0, 1, 2, 1, 2, 2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["naive", "micro-4", "naive-gpipe", "1f1b-4"])
 def test_mode_matches_one_device(mp_runs, name):
     reference = load_ckpt(mp_runs("one device")[0])["model"]
@@ -229,6 +231,7 @@ def check_resumed(out, full, proc, atol):
     assert got[1]["test_loss"] < got[0]["test_loss"]
 
 
+@pytest.mark.slow
 def test_resume_same_mode_is_exact(resume_runs, tmp_path):
     full, stopped = resume_runs
     out = tmp_path / "run"
@@ -238,6 +241,7 @@ def test_resume_same_mode_is_exact(resume_runs, tmp_path):
     check_resumed(out, full, proc, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_resume_one_process_checkpoint_under_torchrun(resume_runs, tmp_path):
     """Mode 3 takes the one-process checkpoint: each stage loads its slice of the weights and
     momentum by the unsplit names, and goes on as the one process would have."""
@@ -270,6 +274,7 @@ def test_ranks_resume_from_rank_0s_checkpoint(tmp_path):
     assert not empty.exists()
 
 
+@pytest.mark.slow
 def test_unwritable_output_dir_stops_every_rank_with_the_cause(tmp_path):
     """Rank 0 alone checks --output-dir; the other stage must stop with rank 0's error at once,
     not with "a peer died", and long before --dist-timeout."""
@@ -400,6 +405,7 @@ def test_resume_refuses_a_checkpoint_without_momentum(no_launcher, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
 
 
+@pytest.mark.slow
 def test_bad_input_real_processes(tmp_path):
     # What a user sees under torchrun: every rank stops with the same line, non-zero exit.
     argv = ["model_parallel.py", *ARGS, "--pipeline-schedule", "1f1b", "--microbatches", "1"]

@@ -69,6 +69,7 @@ def check_parity(out_dir, reference_dir):
     ],
     ids=["plain", "accum-steps", "workers"],
 )
+@pytest.mark.slow
 def test_torchrun_matches_single_process(tmp_path, mlp_reference, flags):
     torchrun(2, ["ddp_train.py", *MLP_ARGS, *flags, "--output-dir", tmp_path])
     check_parity(tmp_path, mlp_reference)
@@ -101,6 +102,7 @@ def openmpi_env(rank, port):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher_env", [slurm_env, openmpi_env], ids=["slurm", "openmpi"])
 def test_fake_launcher_matches_single_process(tmp_path, mlp_reference, launcher_env):
     port = free_port(20000, 40000)
@@ -115,6 +117,7 @@ def test_fake_launcher_matches_single_process(tmp_path, mlp_reference, launcher_
 
 # The real thing: Open MPI's mpirun starts the two processes. CI installs openmpi-bin and sets
 # REQUIRE_MPIRUN=1, so there a missing mpirun fails instead of skipping.
+@pytest.mark.slow
 def test_real_mpirun_matches_single_process(tmp_path, mlp_reference):
     mpirun = shutil.which("mpirun")
     if mpirun is None:

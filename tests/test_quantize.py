@@ -45,6 +45,7 @@ def rows(report):
     return {r["method"]: r for r in report["results"]}
 
 
+@pytest.mark.slow
 def test_json_has_every_method_against_fp32(quantized):
     _, _, report, _ = quantized
     assert [r["method"] for r in report["results"]] == METHODS

@@ -34,6 +34,7 @@ def stopped_run(ddp_run, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_resume_same_world_size_is_exact(ddp_run, stopped_run, tmp_path):
     full, _ = ddp_run
     out = tmp_path / "run"
@@ -150,6 +151,7 @@ GLOBAL_32_THEN_16 = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", GLOBAL_32_THEN_16)
 def test_resume_at_another_global_batch_takes_this_runs_rate(tmp_path, script):
     """Stopped after epoch 0 at global batch 32, resumed at 16: epoch 1 follows a schedule
@@ -172,6 +174,7 @@ GLOBAL_32 = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", GLOBAL_32)
 def test_resume_takes_this_runs_optimizer_flags(tmp_path, script):
     """Stopped after epoch 0, resumed with another --lr, --momentum and --weight-decay: epoch 1
@@ -218,6 +221,7 @@ def test_first_step_after_a_resume_at_another_batch_takes_this_runs_rate(no_laun
     assert rates == pytest.approx([onecycle_rate(0.8 * 32 / 256, 124, s) for s in (0, 1)], rel=1e-9)
 
 
+@pytest.mark.slow
 def test_checkpoints_of_one_schedule_pass_between_the_scripts(no_launcher, tmp_path):
     """dp_train.py's checkpoint resumes in ddp_train.py (both one-cycle); a ddp_train.py
     checkpoint on --schedule cosine is refused by dp_train.py in one line, not continued on
