@@ -9,7 +9,7 @@ torchrun for several nodes and for restarts: when one child dies, mp.spawn stops
 and exits, and a rerun with the same --output-dir resumes from the last epoch's checkpoint.
 
     python ddp_mp_spawn.py --nprocs 2                     # 2 processes (CPU: gloo)
-    python ddp_mp_spawn.py --nprocs 4 --epochs 10         # one per GPU (NCCL)
+    python ddp_mp_spawn.py --epochs 10                    # one per GPU (NCCL), or 2 on CPU
     MASTER_PORT=29600 python ddp_mp_spawn.py --nprocs 2   # a fixed port instead of a free one
 """
 
@@ -79,6 +79,7 @@ def get_args(argv=None):
     add("--momentum", type=float, default=0.9, help="SGD (Nesterov) momentum")
     add("--weight-decay", type=float, default=5e-4, help="L2 penalty")
     add("--label-smoothing", type=float, default=0.1, help="for the training loss")
+    add("--schedule", default="onecycle", choices=["onecycle"], help="lr schedule: one-cycle")
     add("--warmup", type=float, default=0.2, help="fraction of all steps spent warming up")
     add("--workers", type=int, default=0, help="DataLoader worker processes per rank")
     add("--seed", type=int, default=0, help="seed for the weights and the shuffling")
@@ -111,8 +112,7 @@ def train(args, info):
     train_set, test_set, num_classes, in_channels = load_datasets(
         args.data, args.data_dir, args.download, args.image_size, info.local_rank
     )
-    if len(train_set) // world < args.batch_size:
-        shard = len(train_set) // world
+    if (shard := len(train_set) // world) < args.batch_size:
         fail(f"--batch-size {args.batch_size} is larger than one rank's shard ({shard} samples)")
 
     # Each rank trains on a disjoint 1/world of a permutation of (seed, epoch). drop_last
@@ -153,9 +153,8 @@ def train(args, info):
     step = 0
     if ckpt:
         load_model_state(model, ckpt["model"], path)  # onto this rank's device
-        saved = {"schedule": "onecycle", **ckpt["args"]}  # ddp_train.py's may name another schedule
-        keys = ("epochs", "schedule", "warmup")
-        changed = [k for k in keys if saved[k] != getattr(args, k, "onecycle")]
+        saved = {"schedule": "onecycle", **ckpt["args"]}  # ddp_train.py's may be cosine
+        changed = [k for k in ("epochs", "schedule", "warmup") if saved[k] != getattr(args, k)]
         if changed:  # the schedule is a function of these: it cannot go on where it was
             was = ", ".join(f"--{k} {saved[k]}" for k in changed)
             again = "resume with the same, or start anew in another --output-dir"
@@ -170,8 +169,7 @@ def train(args, info):
             set_rng_state(ckpt["rng"][rank], device)
         print0(f"resumed from {path} at epoch {ckpt['epoch']}")
     # Made after the optimizer's state is loaded: OneCycleLR writes this run's peak (another
-    # --nprocs scales it) into the optimizer.
-    # Cosine warm-up and decay; cycle_momentum=False keeps Nesterov's momentum fixed.
+    # --nprocs scales it) into the optimizer. cycle_momentum=False keeps the momentum fixed.
     warmup = max(args.warmup, 1e-3)
     scheduler = OneCycleLR(optimizer, lr, total_steps, pct_start=warmup, cycle_momentum=False)
     fast_forward(scheduler, step)
@@ -186,9 +184,9 @@ def train(args, info):
         ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     size = "x".join(map(str, train_set[0][0].shape[-2:]))
     print0(
-        f"{args.model} on {args.data} ({size} images): {world} process(es) from mp.spawn on "
-        f"{device.type}, global batch {global_batch}, peak lr {lr:.3g}, "
-        f"{steps_per_epoch} steps/epoch"
+        f"{args.model} on {args.data} ({size} images): {world} process(es) from mp.spawn on"
+        f" {device.type}, global batch {global_batch}, peak lr {lr:.3g},"
+        f" {steps_per_epoch} steps/epoch"
     )
     for epoch in range(start_epoch, args.epochs):
         if args.max_steps and step >= args.max_steps:
@@ -284,9 +282,8 @@ def main(argv=None):
         # join=True: wait for all; if one child fails, spawn terminates the others.
         mp.spawn(worker, args=(args,), nprocs=args.nprocs, join=True)
     except mp.ProcessExitedException as e:
-        if not e.signal_name:  # the child said why itself (its "error: ..." line is above)
-            which = f"process {e.error_index} of {args.nprocs}"
-            fail(f"{which} exited with code {e.exit_code}; the others were stopped")
+        if not e.signal_name:  # the child printed why ("error: ..."): not again, only its code
+            raise SystemExit(e.exit_code) from None
         # Killed (out of memory, pre-empted): mp.spawn never restarts a process (torchrun
         # --max-restarts does), but a rerun picks up the last checkpoint.
         again = f"; rerun to resume from {args.output_dir}" if args.output_dir else ""

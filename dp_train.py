@@ -47,6 +47,7 @@ from common import (
     load_datasets,
     load_model_state,
     load_optimizer_state,
+    peer_failure,
     rng_state,
     save_checkpoint,
     seed_everything,
@@ -69,6 +70,7 @@ def get_args(argv=None):
     add("--momentum", type=float, default=0.9, help="SGD (Nesterov) momentum")
     add("--weight-decay", type=float, default=5e-4, help="L2 penalty")
     add("--label-smoothing", type=float, default=0.1, help="for the training loss")
+    add("--schedule", default="onecycle", choices=["onecycle"], help="lr schedule: one-cycle")
     add("--warmup", type=float, default=0.2, help="fraction of all steps spent warming up")
     add("--workers", type=int, default=0, help="DataLoader worker processes")
     add("--seed", type=int, default=0, help="seed for the weights and the shuffling")
@@ -78,8 +80,10 @@ def get_args(argv=None):
     add("--max-steps", type=int, default=0, help="stop after this many steps; 0: no limit")
     add("--output-dir", help="where checkpoint.pt and metrics.jsonl go; none: write nothing")
     add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: the GPUs if any")
+    add("--dist-timeout", type=float, default=300, help="seconds before a lost peer ends the job")
     args = p.parse_args(argv)
-    check_flags(args, ("epochs", "batch_size", "image_size"), ("max_steps", "workers"), ("lr",))
+    at_least_1 = ("epochs", "batch_size", "image_size")
+    check_flags(args, at_least_1, ("max_steps", "workers"), ("lr", "dist_timeout"))
     if not 0 <= args.warmup < 1:
         fail(f"--warmup is a fraction of the run, in [0, 1); got {args.warmup}")
     return args
@@ -87,19 +91,38 @@ def get_args(argv=None):
 
 class Autocast(nn.Module):
     """Runs the wrapped model under autocast with the dtype asked for, on input in the memory
-    format asked for. DataParallel's replica threads do not inherit the caller's autocast: they
-    re-enter it with `enabled` alone (torch/nn/parallel/parallel_apply.py), which on CUDA means
-    fp16 even when bf16 was asked for. And its replicas are contiguous copies of the weights:
-    an NHWC input keeps each replica's convolutions NHWC."""
+    format asked for, inside each replica. DataParallel's replica threads do not inherit the
+    caller's autocast: they re-enter it with `enabled` alone (see its parallel_apply.py), which
+    on CUDA means fp16 even when bf16 was asked for. And replicate() gives the other GPUs
+    contiguous (NCHW) copies of the weights: an NHWC input is what keeps their convolutions
+    NHWC (cuDNN and oneDNN follow the input's format)."""
 
     def __init__(self, module, dtype, memory_format=torch.preserve_format):
         super().__init__()
         self.module, self.dtype, self.memory_format = module, dtype, memory_format
 
     def forward(self, x):
-        x = x.contiguous(memory_format=self.memory_format)
+        # .to, not .contiguous: a 1-channel NCHW batch already counts as NHWC-contiguous, and
+        # .contiguous would hand it on unchanged, in strides that convolutions read as NCHW.
+        x = x.to(memory_format=self.memory_format)
         with torch.autocast(x.device.type, dtype=self.dtype, enabled=self.dtype is not None):
             return self.module(x)
+
+
+def rng_states(device):
+    """common.rng_state plus, on CUDA, every GPU's generator: each replica draws from its own
+    GPU's, so GPU 0's alone would resume the others elsewhere."""
+    state = rng_state(device)
+    if device.type == "cuda":
+        state["cuda_all"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_states(state, device):
+    set_rng_state(state, device)
+    if device.type == "cuda" and "cuda_all" in state:  # not in ddp_train.py's checkpoints
+        # As many GPUs as are visible now (CUDA_VISIBLE_DEVICES may name fewer than before).
+        torch.cuda.set_rng_state_all(state["cuda_all"][: torch.cuda.device_count()])
 
 
 def train(args, device):
@@ -148,9 +171,8 @@ def train(args, device):
     if args.output_dir and ckpt_path.is_file():
         ckpt = load_checkpoint(ckpt_path)  # onto the CPU; load_state_dict copies to the device
         load_model_state(model, ckpt["model"], ckpt_path)
-        saved = {"schedule": "onecycle", **ckpt["args"]}  # ddp_train.py's may name another schedule
-        keys = ("epochs", "schedule", "warmup")
-        changed = [k for k in keys if saved[k] != getattr(args, k, "onecycle")]
+        saved = {"schedule": "onecycle", **ckpt["args"]}  # ddp_train.py's may be cosine
+        changed = [k for k in ("epochs", "schedule", "warmup") if saved[k] != getattr(args, k)]
         if changed:  # the schedule is a function of these: it cannot go on where it was
             was = ", ".join(f"--{k} {saved[k]}" for k in changed)
             again = "resume with the same, or start anew in another --output-dir"
@@ -162,9 +184,7 @@ def train(args, device):
         # epoch again.
         step = ckpt["epoch"] * steps_per_epoch
         if ckpt["epoch_step"] == 0:
-            set_rng_state(ckpt["rng"][0], device)
-            if "cuda_all" in ckpt["rng"][0] and device.type == "cuda":
-                torch.cuda.set_rng_state_all(ckpt["rng"][0]["cuda_all"])
+            set_rng_states(ckpt["rng"][0], device)
         print(f"resumed from {ckpt_path} at epoch {ckpt['epoch']}")
     # Made after the optimizer's state is loaded: OneCycleLR writes this run's peak (another
     # --batch-size scales it) into the optimizer, and is then stepped to where the resumed
@@ -193,8 +213,9 @@ def train(args, device):
         t0 = time.perf_counter()
         bar = tqdm(train_loader, desc=f"epoch {epoch}", leave=False, mininterval=1)
         for images, labels in bar:
-            # The whole batch goes to GPU 0; DataParallel scatters its pieces to the others.
-            images = images.to(device, non_blocking=True).contiguous(memory_format=memory_format)
+            # The whole batch goes to GPU 0; DataParallel scatters its pieces to the others,
+            # where Autocast gives each replica its piece in --channels-last's format.
+            images = images.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True)
             logits = dp_model(images)  # gathered on GPU 0
             loss = F.cross_entropy(logits.float(), labels, label_smoothing=args.label_smoothing)
@@ -221,14 +242,11 @@ def train(args, device):
         losses = f"train_loss {train_loss:.4f} test_loss {test_loss:.4f} test_acc {test_acc:.4f}"
         print(f"epoch {epoch}: {losses} {epoch_seconds:.1f}s {speed:.0f} samples/s")
         if out:
-            rng = rng_state(device)
-            if device.type == "cuda":  # every GPU's generator: each replica draws from its own
-                rng["cuda_all"] = torch.cuda.get_rng_state_all()
             append_metrics(out / "metrics.jsonl", record)  # first: a resume trims its line
             epoch, epoch_step = divmod(step, steps_per_epoch)  # the epoch to go on with
             state = dict(model=model.state_dict(), optimizer=optimizer.state_dict())
             state.update(scaler=scaler.state_dict(), scheduler=scheduler.state_dict())
-            state.update(epoch=epoch, epoch_step=epoch_step, step=step, rng=[rng])
+            state.update(epoch=epoch, epoch_step=epoch_step, step=step, rng=[rng_states(device)])
             state.update(steps_per_epoch=steps_per_epoch, world_size=1, args=vars(args))
             save_checkpoint(state, out / "checkpoint.pt")
 
@@ -239,10 +257,13 @@ def main(argv=None):
     if launched and launched["world_size"] > 1:  # each process would drive all the GPUs by itself
         n = launched["world_size"]
         fail(f"dp_train.py runs as one process, not {n}; for several use ddp_train.py")
-    # No process group for a plain process; torchrun with one process makes one, torn down here.
-    info = init_distributed_mode(device=args.device)
+    # A plain process has no group; torchrun forms one even for one process. DataParallel
+    # uses none, but the group is torn down like every other, also on an error.
+    info = init_distributed_mode(device=args.device, timeout_s=args.dist_timeout)
     try:
         train(args, info.device)
+    except RuntimeError as e:
+        raise peer_failure(e, info) from None
     finally:
         cleanup()
 

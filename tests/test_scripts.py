@@ -7,11 +7,10 @@ import pytest
 import torch
 from conftest import (
     CNN_ARGS,
-    DIST_TIMEOUT,
     METRIC_KEYS,
     MLP_ARGS,
+    SYNTHETIC,
     assert_state_close,
-    free_port,
     load_ckpt,
     max_abs_diff,
     read_metrics,
@@ -20,17 +19,8 @@ from conftest import (
 
 import common
 
-CHECKPOINT_KEYS = {
-    "model",
-    "optimizer",
-    "scheduler",
-    "scaler",
-    "epoch",
-    "step",
-    "steps_per_epoch",
-    "world_size",
-    "rng",
-}
+CHECKPOINT_KEYS = {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "rng"}
+CHECKPOINT_KEYS |= {"steps_per_epoch", "world_size"}
 
 
 def check_outputs(out_dir, stdout, world_size):
@@ -70,31 +60,19 @@ def test_ddp_mp_spawn(ddp_run, tmp_path):
 
 def test_dp_train(tmp_path):
     # --batch-size is DataParallel's whole batch: 256 matches 2 DDP processes of 128 each.
-    args = [a for a in CNN_ARGS if a not in DIST_TIMEOUT]  # one process: no process group
-    proc = run_python(["dp_train.py", *args, "--batch-size", "256", "--output-dir", tmp_path])
+    proc = run_python(["dp_train.py", *CNN_ARGS, "--batch-size", "256", "--output-dir", tmp_path])
     assert "DataParallel over 0 GPU(s) (cpu)" in proc.stdout
     check_outputs(tmp_path, proc.stdout, world_size=1)
 
 
+@pytest.mark.slow  # compiling on CPU: few steps, but long
 def test_compiled_run_saves_plain_weights_and_matches_eager(tmp_path):
     # torch.compile wraps the model in an OptimizedModule whose state_dict keys start with
     # "_orig_mod."; the checkpoint must still hold the plain module's keys, and the compiled
-    # steps must compute what the eager ones do. (Compiling on CPU takes ~30 s: few steps.)
-    steps = [
-        "--data",
-        "synthetic",
-        "--device",
-        "cpu",
-        "--model",
-        "mlp",
-        "--lr",
-        "0.05",
-        "--max-steps",
-        "3",
-    ]
-    run_python(
-        ["ddp_train.py", *steps, "--compile", "--output-dir", tmp_path / "compiled"], timeout=400
-    )
+    # steps must compute what the eager ones do.
+    steps = [*SYNTHETIC, "--model", "mlp", "--lr", "0.05", "--max-steps", "3"]
+    compiled = ["--compile", "--output-dir", tmp_path / "compiled"]
+    run_python(["ddp_train.py", *steps, *compiled], timeout=400)
     run_python(["ddp_train.py", *steps, "--output-dir", tmp_path / "eager"])
     compiled, eager = load_ckpt(tmp_path / "compiled"), load_ckpt(tmp_path / "eager")
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in compiled["model"])
@@ -108,96 +86,6 @@ def test_every_model_takes_cifar_sized_images(name):
     # stopped with a shape error (its first layer was sized for 28 x 28 only).
     model = common.build_model(name, 3, 10, image_size=32).eval()
     assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
-
-
-def test_dp_train_trains_through_dataparallel(no_launcher, tmp_path):
-    """Every training and evaluation batch goes through nn.DataParallel's forward (on CPU it
-    calls the model directly, so only a spy tells that the wrapper is there)."""
-    import dp_train
-
-    calls = []
-
-    class Spy(torch.nn.DataParallel):
-        def forward(self, *inputs, **kwargs):
-            calls.append(inputs[0].shape[0])
-            return super().forward(*inputs, **kwargs)
-
-    no_launcher.setattr(torch.nn, "DataParallel", Spy)
-    argv = ["--data", "synthetic", "--device", "cpu", "--model", "mlp", "--max-steps", "3"]
-    dp_train.main([*argv, "--batch-size", "32"])
-    assert calls[:3] == [32, 32, 32]  # the training steps, then the test set (499 in batches of 64)
-    assert sum(calls[3:]) == 499
-
-
-def test_dataparallel_replicas_compute_in_the_dtype_asked_for():
-    """DataParallel's replica threads re-enter autocast with `enabled` alone, which means the
-    device's default dtype (fp16 on CUDA, bf16 on CPU), not the one asked for. Mimicked here
-    on CPU: a thread that enables autocast with the default dtype, as parallel_apply does,
-    must still compute in fp16 when fp16 was asked for."""
-    import threading
-
-    import dp_train
-
-    model = dp_train.Autocast(common.build_model("mlp", 1, 10), torch.float16)
-    dtypes = []
-    model.module[1].register_forward_hook(
-        lambda module, inputs, output: dtypes.append(output.dtype)
-    )
-
-    def replica():
-        with torch.autocast("cpu", enabled=True):  # what parallel_apply's threads do
-            model(torch.randn(4, 1, 28, 28))
-
-    thread = threading.Thread(target=replica)
-    thread.start()
-    thread.join()
-    assert dtypes == [torch.float16]
-
-
-def test_dataparallel_replicas_compute_channels_last():
-    """DataParallel's replicas are contiguous (NCHW) copies of the weights, and scatter may hand
-    them NCHW pieces; dp_train's wrapper gives every replica an NHWC batch, so that its
-    convolutions compute NHWC. Shown on a model with NCHW weights, as a replica has."""
-    import dp_train
-
-    model = common.build_model("cnn", 3, 10, image_size=32)
-    conv = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
-    nhwc = []
-    conv.register_forward_hook(
-        lambda module, inputs, out: nhwc.append(
-            out.is_contiguous(memory_format=torch.channels_last)
-        )
-    )
-    with torch.no_grad():
-        dp_train.Autocast(model, None, torch.channels_last)(torch.randn(4, 3, 32, 32))
-    assert nhwc == [True]
-
-
-def test_dp_train_under_torchrun_destroys_its_process_group(no_launcher):
-    """torchrun with one process: init_distributed_mode forms a group (as it does for DDP),
-    and dp_train.py must tear it down again, also without a launcher of several processes."""
-    import torch.distributed as dist
-
-    import dp_train
-
-    env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    for name, value in dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
-        no_launcher.setenv(name, value)
-    argv = ["--data", "synthetic", "--device", "cpu", "--model", "mlp", "--max-steps", "1"]
-    up, evaluate = [], dp_train.evaluate
-
-    def evaluate_and_look(*args):
-        up.append(dist.is_initialized())
-        return evaluate(*args)
-
-    no_launcher.setattr(dp_train, "evaluate", evaluate_and_look)
-    try:
-        dp_train.main(argv)
-        assert up == [True]  # a group was up while it trained
-        assert not dist.is_initialized()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
@@ -225,30 +113,7 @@ def test_imagefolder_trains(tmp_path):
                 Image.new("RGB", (16, 16), tuple(v + 2 * i for v in colour)).save(
                     tmp_path / split / f"c{c}" / f"{i}.png"
                 )
-    argv = [
-        "--data",
-        "imagefolder",
-        "--data-dir",
-        tmp_path,
-        "--device",
-        "cpu",
-        "--model",
-        "mlp",
-        "--workers",
-        "1",
-    ]
-    run_python(
-        [
-            "ddp_train.py",
-            *argv,
-            "--batch-size",
-            "8",
-            "--epochs",
-            "3",
-            "--lr",
-            "1",
-            "--output-dir",
-            tmp_path / "o",
-        ]
-    )
+    argv = ["--data", "imagefolder", "--data-dir", tmp_path, "--device", "cpu", "--model", "mlp"]
+    argv += ["--workers", "1", "--batch-size", "8", "--epochs", "3", "--lr", "1"]
+    run_python(["ddp_train.py", *argv, "--output-dir", tmp_path / "o"])
     assert read_metrics(tmp_path / "o")[-1]["test_acc"] == 1.0
