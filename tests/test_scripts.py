@@ -44,12 +44,14 @@ def check_outputs(out_dir, stdout, world_size):
     return ckpt
 
 
+@pytest.mark.slow
 def test_ddp_train_torchrun(ddp_run):
     out, proc = ddp_run
     assert "2 process(es)" in proc.stdout
     check_outputs(out, proc.stdout, world_size=2)
 
 
+@pytest.mark.slow
 def test_ddp_mp_spawn(ddp_run, tmp_path):
     proc = run_python(["ddp_mp_spawn.py", "--nprocs", "2", *CNN_ARGS, "--output-dir", tmp_path])
     assert "2 process(es)" in proc.stdout
@@ -88,6 +90,7 @@ def test_every_model_takes_cifar_sized_images(name):
     assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
 def test_mixed_precision_computes_in_its_dtype(tmp_path, amp):
     """A few MLP steps with autocast land near the fp32 steps but not on them; with fp16 the
