@@ -251,6 +251,7 @@ def test_powersgd_with_fp16_is_refused(no_launcher):
     )
 
 
+@pytest.mark.slow
 def test_a_check_on_rank_0_stops_every_rank_with_its_cause(tmp_path):
     """Only rank 0 checks the output directory; the other rank must stop at once with the same
     cause, not later with "another process died"."""

@@ -149,6 +149,7 @@ def test_mode_matches_one_device(mp_runs, name):
     assert metrics["train_loss"] == pytest.approx(ref["train_loss"], abs=ATOL)
 
 
+@pytest.mark.slow
 def test_microbatches_match_naive(mp_runs):
     naive, micro = (load_ckpt(mp_runs(name)[0]) for name in ("naive", "micro-4"))
     assert_state_close(micro["model"], naive["model"], atol=ATOL)
@@ -162,6 +163,7 @@ def initial_test_loss():
     return common.evaluate(initial_model(), loader, torch.device("cpu"))[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["naive", "micro-4", "1f1b-4"])
 def test_output_contract(mp_runs, initial_test_loss, name):
     out, proc = mp_runs(name)

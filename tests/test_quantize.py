@@ -59,6 +59,7 @@ def test_json_has_every_method_against_fp32(quantized):
         assert r["accuracy_delta"] == pytest.approx(r["accuracy"] - fp32["accuracy"])
 
 
+@pytest.mark.slow
 def test_table_on_stdout(quantized):
     *_, proc = quantized
     lines = [line for line in proc.stdout.splitlines() if line.startswith("|")]
@@ -67,6 +68,7 @@ def test_table_on_stdout(quantized):
     assert "Warning" not in proc.stderr  # torch.ao's deprecation notices are silenced
 
 
+@pytest.mark.slow
 def test_static_int8_is_smaller(quantized):
     r = rows(quantized[2])
     # int8 weights: a quarter of the bytes, plus scales and graph constants.
@@ -76,6 +78,7 @@ def test_static_int8_is_smaller(quantized):
     assert r["static int8"]["size_ratio"] < r["dynamic int8"]["size_ratio"] < 1.0
 
 
+@pytest.mark.slow
 def test_int8_accuracy_close_to_fp32(quantized):
     r = rows(quantized[2])
     assert r["fp32"]["accuracy"] > 0.8  # a trained model, or the comparison means nothing
@@ -84,6 +87,7 @@ def test_int8_accuracy_close_to_fp32(quantized):
         assert r[method]["agreement"] > 0.95, method
 
 
+@pytest.mark.slow
 def test_fp32_row_is_the_checkpoints_accuracy(quantized):
     # The same weights, test set and batch size as ddp_train.py's last evaluation.
     train_dir, _, report, _ = quantized
@@ -91,6 +95,7 @@ def test_fp32_row_is_the_checkpoints_accuracy(quantized):
     assert rows(report)["fp32"]["accuracy"] == pytest.approx(last["test_acc"], abs=1.5 / 499)
 
 
+@pytest.mark.slow
 def test_saved_int8_model_reloads(quantized):
     _, out, report, _ = quantized
     model = quantize.load_int8(out / "model_int8.pt")
@@ -100,6 +105,7 @@ def test_saved_int8_model_reloads(quantized):
     assert accuracy == rows(report)["static int8"]["accuracy"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(common.MODELS))
 def test_static_int8_for_every_model(name):
     torch.manual_seed(0)
@@ -195,6 +201,7 @@ def test_refuses_several_processes(monkeypatch, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_speedups_are_the_measured_ratios(quantized):
     """The speed columns are computed from the measured times, against fp32 (the figures
     themselves are benchmarks' business: timing varies on a shared machine)."""

@@ -10,6 +10,7 @@ formula. A flag that did nothing, or did it on one rank's half of the gradient, 
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from conftest import DIST_TIMEOUT, SYNTHETIC, load_ckpt, max_abs_diff, torchrun
@@ -60,6 +61,7 @@ def reference_weights():
     return model.state_dict()
 
 
+@pytest.mark.slow
 def test_two_processes_take_the_reference_steps(tmp_path):
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in FLAGS.items()]
     argv = [*SYNTHETIC, *DIST_TIMEOUT, "--model", "mlp", "--schedule", "cosine", *flags]

@@ -64,6 +64,7 @@ def resumed_on_one_process(stopped_run, tmp_path_factory):
     return out, proc
 
 
+@pytest.mark.slow
 def test_resume_on_another_world_size_runs(stopped_run, resumed_on_one_process):
     out, proc = resumed_on_one_process
     assert "resumed from" in proc.stdout and "1 process(es)" in proc.stdout
@@ -77,6 +78,7 @@ def test_resume_on_another_world_size_runs(stopped_run, resumed_on_one_process):
     assert metrics[-1]["test_acc"] > 0.5  # training went on from the checkpoint, not from scratch
 
 
+@pytest.mark.slow
 def test_resume_on_another_world_size_rescales_lr(resumed_on_one_process):
     # One process, batch 128: the peak rate is 0.05 x 128 / 256, and the schedule continues
     # from the same point in epochs. The lr logged after each epoch is the fresh schedule's.
@@ -96,6 +98,7 @@ def test_resume_on_another_world_size_rescales_lr(resumed_on_one_process):
     assert [m["lr"] for m in read_metrics(out)][1:] == pytest.approx(expected[1:], rel=1e-9)
 
 
+@pytest.mark.slow
 def test_resume_on_another_world_size_starts_from_the_checkpoint(stopped_run, tmp_path):
     """One step on one process after the 2-process checkpoint: the weights are the
     checkpoint's moved by one small step, far nearer to it than a fresh model is. (The

@@ -60,6 +60,7 @@ def test_ddp_mp_spawn(ddp_run, tmp_path):
     assert_state_close(ckpt["model"], load_ckpt(ddp_run[0])["model"], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_dp_train(tmp_path):
     # --batch-size is DataParallel's whole batch: 256 matches 2 DDP processes of 128 each.
     proc = run_python(["dp_train.py", *CNN_ARGS, "--batch-size", "256", "--output-dir", tmp_path])
