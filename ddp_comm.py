@@ -1,17 +1,21 @@
-"""What DDP sends, and sending less: ddp_train.py's loop plus communication options.
+"""What DDP sends, and ways to send less: ddp_train.py's loop plus communication options.
 
-Plain DDP all-reduces every gradient each step, bucket by bucket while backward still runs.
+DDP all-reduces every gradient at every step, in buckets sent while backward still runs.
 Where the network bounds the step (many nodes, slow links) or the optimizer state does not
-fit: --comm-hook fp16|bf16 halves the bytes; --comm-hook powersgd sends two rank-r factors
-per gradient matrix (Vogels et al., 2019); --local-sgd-period K lets each rank step alone and
+fit: --comm-hook fp16|bf16 sends 2 bytes a number; --comm-hook powersgd two rank-r factors
+per weight matrix (Vogels et al., 2019); --local-sgd-period K lets each rank step alone and
 averages the weights every K steps (Lin et al., 2018); --zero keeps each rank's share of the
-momentum only (ZeRO-1, Rajbhandari et al., 2020). The run prints what each rank sends.
+momentum only (ZeRO-1, Rajbhandari et al., 2020). Rank 0 prints what each rank sends a step.
 
     torchrun --standalone --nproc_per_node=2 ddp_comm.py --comm-hook bf16
     torchrun --standalone --nproc_per_node=2 ddp_comm.py --local-sgd-period 8
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
+        --rdzv-endpoint=HOST:29500 --rdzv-id=myjob ddp_comm.py --zero   # on every node
 
-A copy of ddp_train.py (which also has --augment, --sync-bn and --eval-only): the lines it
-adds are marked "# comm"; `diff ddp_train.py ddp_comm.py` shows them.
+A copy of ddp_train.py whose added lines end in "# comm" or sit in a block opened by a
+"# comm:" comment, so `diff ddp_train.py ddp_comm.py` shows the strategy. ddp_train.py has
+what the copy leaves out: --augment, --sync-bn, --image-size, --eval-only, --compile, the
+cosine schedule and the note on fp16 on CPU.
 """
 
 import argparse
@@ -30,7 +34,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as hooks  
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook, powerSGD_hook  # comm
 from torch.distributed.optim import ZeroRedundancyOptimizer  # comm
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.optim.lr_scheduler import LambdaLR, OneCycleLR
+from torch.optim.lr_scheduler import OneCycleLR
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
@@ -80,12 +84,11 @@ def get_args(argv=None):
     add("--momentum", type=float, default=0.9, help="SGD (Nesterov) momentum")
     add("--weight-decay", type=float, default=5e-4, help="L2 penalty")
     add("--label-smoothing", type=float, default=0.1, help="for the training loss")
-    add("--schedule", default="onecycle", choices=["onecycle", "cosine"], help="lr schedule")
+    add("--schedule", default="onecycle", choices=["onecycle"], help="lr schedule: one-cycle")
     add("--warmup", type=float, default=0.2, help="fraction of all steps spent warming up")
     add("--workers", type=int, default=0, help="DataLoader worker processes per rank")
     add("--seed", type=int, default=0, help="seed for the weights and the shuffling")
     add("--amp", default="none", choices=["none", "bf16", "fp16"], help="mixed precision")
-    add("--compile", action="store_true", help="torch.compile the model")
     nhwc = "NHWC memory format: faster convolutions (oneDNN on CPU, tensor cores on GPU)"
     add("--channels-last", action=argparse.BooleanOptionalAction, default=True, help=nhwc)
     add("--clip-grad", type=float, default=0.0, help="max gradient norm; 0: no clipping")
@@ -97,9 +100,9 @@ def get_args(argv=None):
     add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if any")
     add("--backend", choices=["gloo", "nccl", "mpi"], help="default: nccl on CUDA, else gloo")
     add("--dist-timeout", type=float, default=300, help="seconds before a lost peer ends the job")
-    # comm: the options this script adds
-    hook_help = "compress the gradients' all-reduce"
-    add("--comm-hook", default="none", choices=["none", "fp16", "bf16", "powersgd"], help=hook_help)
+    # comm: the options this copy adds
+    hook = "how DDP sends the gradients: all of them, in fp16 or bf16, or PowerSGD's factors"
+    add("--comm-hook", default="none", choices=["none", "fp16", "bf16", "powersgd"], help=hook)
     add("--powersgd-rank", type=int, default=4, help="powersgd: rank of each matrix's factors")
     add("--powersgd-start", type=int, help="powersgd: plain steps first (default: warm-up's)")
     add("--local-sgd-period", type=int, help="local SGD: average the weights every K steps")
@@ -115,15 +118,14 @@ def get_args(argv=None):
         fail(f"--warmup is a fraction of the run, in [0, 1); got {args.warmup}")
     if args.save_every and not args.output_dir:
         fail("--save-every needs --output-dir (where the checkpoints go)")
-    # comm: combinations that cannot work
+    # comm: combinations that cannot work. fp16: one overflow puts inf into PowerSGD's error
+    # feedback, added to every later gradient; under local SGD each rank's GradScaler would
+    # skip other steps than the others' (and only rank 0's is saved).
     if args.amp == "fp16" and (args.comm_hook == "powersgd" or args.local_sgd_period):
-        # PowerSGD: one overflow puts inf into its error feedback, added to every later
-        # gradient. Local SGD: each rank's GradScaler would skip other steps than the others'.
         fail("--comm-hook powersgd and --local-sgd-period cannot take --amp fp16; use bf16")
     if args.local_sgd_start is not None and not args.local_sgd_period:
         fail("--local-sgd-start needs --local-sgd-period")
     if args.local_sgd_period and (args.comm_hook != "none" or args.zero):
-        # No gradients to compress; and ZeRO steps each rank's shard with averaged gradients.
         fail("--local-sgd-period all-reduces no gradients: it cannot take --comm-hook or --zero")
     return args
 
@@ -143,61 +145,50 @@ class ResumableSampler(DistributedSampler):
 
 
 def make_scheduler(optimizer, args, total_steps):
-    if args.schedule == "onecycle":
-        # Cosine warm-up and decay; cycle_momentum=False keeps Nesterov's momentum fixed.
-        peaks = [g["lr"] for g in optimizer.param_groups]
-        warmup = max(args.warmup, 1e-3)
-        return OneCycleLR(optimizer, peaks, total_steps, pct_start=warmup, cycle_momentum=False)
-    warmup = max(1, int(args.warmup * total_steps))
-
-    def factor(step):  # linear warm-up to the peak, then cosine decay to zero
-        if step < warmup:
-            return (step + 1) / warmup
-        done = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return 0.5 * (1 + math.cos(math.pi * done))
-
-    return LambdaLR(optimizer, factor)
+    # Cosine warm-up and decay; cycle_momentum=False keeps Nesterov's momentum fixed.
+    peaks = [g["lr"] for g in optimizer.param_groups]
+    warmup = max(args.warmup, 1e-3)
+    return OneCycleLR(optimizer, peaks, total_steps, pct_start=warmup, cycle_momentum=False)
 
 
-def register_comm_hook(model, args, step, total_steps):  # comm
-    """Replace DDP's all-reduce of each gradient bucket; returns the hook's state. Both
-    PowerSGD and local SGD begin with plain steps (the warm-up's by default): early training
-    is the most sensitive."""
-    if args.comm_hook in ("fp16", "bf16"):
-        model.register_comm_hook(None, getattr(hooks, f"{args.comm_hook}_compress_hook"))
-        return None
-    start = args.local_sgd_start if args.local_sgd_period else args.powersgd_start
-    start = int(args.warmup * total_steps) if start is None else start
+def register_comm_hook(model, args, start, step):  # comm
+    """Put the chosen hook in place of DDP's all-reduce of each gradient bucket; returns its
+    state. PowerSGD and local SGD begin after `start` plain steps: early training is sensitive."""
+    state = None
     if args.local_sgd_period:
-        # After `start`, nothing is all-reduced: each rank keeps its own gradients.
+        # After `start` steps nothing is all-reduced: each rank keeps its own gradients.
         state = post_localSGD_hook.PostLocalSGDState(None, None, start, False)
         state.iter = step  # it counts steps: go on from the checkpoint's
         model.register_comm_hook(state, post_localSGD_hook.post_localSGD_hook)
-        return state
-    # It counts steps from 0, also after a resume, and its error feedback (per rank, not
-    # saved) restarts at zero; two plain steps first (DDP rebuilds its buckets after one).
-    # One seed on every rank: the random factors must agree.
-    first = max(2, start - step)
-    state = powerSGD_hook.PowerSGDState(None, args.powersgd_rank, first, random_seed=args.seed)
-    hook = powerSGD_hook.powerSGD_hook
-    model.register_comm_hook(state, in_bucket_order(hook) if dist.get_backend() == "gloo" else hook)
+    elif args.comm_hook == "powersgd":
+        # It counts steps from 0, also after a resume, and its error feedback (per rank, not
+        # saved) restarts at zero; two plain steps first (DDP rebuilds its buckets after one).
+        # One seed on every rank: the random factors must agree.
+        first = max(2, start - step)
+        state = powerSGD_hook.PowerSGDState(None, args.powersgd_rank, first, random_seed=args.seed)
+        hook = powerSGD_hook.powerSGD_hook
+        hook = in_bucket_order(hook) if dist.get_backend() == "gloo" else hook
+        model.register_comm_hook(state, hook)
+    elif args.comm_hook != "none":
+        model.register_comm_hook(state, getattr(hooks, f"{args.comm_hook}_compress_hook"))
     return state
 
 
 def in_bucket_order(hook):  # comm
-    """Start a bucket's hook only when the previous bucket's has finished (gloo only).
-    PowerSGD issues its later all-reduces from callbacks on gloo's threads while backward goes
-    on to the next bucket: two ranks could start different buckets' all-reduces at once, which
-    kills the job ("Received data size doesn't match"). NCCL orders them on its stream."""
+    """Start a bucket's hook only when the previous bucket's has finished. On gloo, PowerSGD
+    starts its later all-reduces from callbacks while backward goes on to the next bucket, and
+    two ranks that start different buckets' all-reduces at once kill the job ("Received data
+    size doesn't match"). NCCL orders them on its stream."""
+    previous = []
 
     def hook_in_order(state, bucket):
-        if hook_in_order.previous is not None:
-            hook_in_order.previous.wait()
+        if previous:
+            previous.pop().wait()
         future = hook(state, bucket)
-        hook_in_order.previous = None if bucket.is_last() else future
+        if not bucket.is_last():  # the step's last bucket: the next step starts afresh
+            previous.append(future)
         return future
 
-    hook_in_order.previous = None
     return hook_in_order
 
 
@@ -206,9 +197,8 @@ def average_replicas(tensors):  # comm
     """Average `tensors` over all ranks in place, in one all-reduce (all ranks participate).
     Not PyTorch's model_averaging: it points each parameter at a slice of one flat buffer,
     which turns channels-last weights NCHW."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
+    flat = torch.cat([t.reshape(-1) for t in tensors]).div_(dist.get_world_size())
     dist.all_reduce(flat)
-    flat /= dist.get_world_size()
     for t, mean in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
         t.copy_(mean.view(t.shape))
 
@@ -225,8 +215,6 @@ def main(argv=None):
             fail("--local-sgd-period needs 2 or more processes: one has nothing to average")
         if (args.comm_hook != "none" or args.zero) and not info.distributed:  # comm
             print0("note: --comm-hook and --zero have no effect with one process")
-        if args.amp == "fp16" and device.type == "cpu":
-            print0("note: --amp fp16 on CPU is slow; bf16 is the CPU's mixed-precision type")
         seed_everything(args.seed)  # the same initial weights on every rank
 
         # Data: each rank trains on a disjoint 1/world of a permutation of (seed, epoch).
@@ -239,7 +227,7 @@ def main(argv=None):
             fail(f"{sizes} is larger than one rank's shard ({shard} of {len(train_set)} samples)")
         sampler = ResumableSampler(train_set, world, rank, seed=args.seed, drop_last=True)
         # The loader's own generator: from the global RNG, the seed a loader draws at each
-        # epoch would shift the RNG after a resume.
+        # epoch would shift every later --augment crop after a resume.
         generator = torch.Generator().manual_seed(args.seed)
         loader_args = dict(num_workers=args.workers, collate_fn=collate, generator=generator)
         # Pinned memory: host-to-GPU copies overlap compute.
@@ -253,8 +241,9 @@ def main(argv=None):
         test_loader = DataLoader(test_shard, 2 * args.batch_size, **loader_args)
         steps_per_epoch = len(train_loader) // args.accum_steps
         total_steps = args.epochs * steps_per_epoch
-        if args.local_sgd_period and args.local_sgd_start is None:  # comm
-            args.local_sgd_start = int(args.warmup * total_steps)  # plain DDP through warm-up
+        # comm: PowerSGD and local SGD start after plain steps, the warm-up's unless told
+        start = args.local_sgd_start if args.local_sgd_period else args.powersgd_start
+        start = int(args.warmup * total_steps) if start is None else start
 
         # The model, on this rank's device. DDP wraps it after the resume below has loaded
         # the weights; it then broadcasts rank 0's, so every copy starts equal.
@@ -272,12 +261,13 @@ def main(argv=None):
         # Optimizer, schedule, scaler. Linear scaling: the peak rate grows with the batch.
         global_batch = args.batch_size * world * args.accum_steps
         lr = args.lr * global_batch / 256
-        sgd = dict(lr=lr, momentum=args.momentum, weight_decay=args.weight_decay, nesterov=True)
+        optimizer = torch.optim.SGD(
+            model.parameters(), lr, args.momentum, weight_decay=args.weight_decay, nesterov=True
+        )
         zero = args.zero and info.distributed  # comm
-        if zero:  # comm: each rank steps its share of the parameters, then broadcasts it
+        if zero:  # comm: each rank steps (and keeps the momentum of) 1/world of the parameters
+            sgd = optimizer.defaults  # the settings above
             optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, **sgd)
-        else:
-            optimizer = torch.optim.SGD(model.parameters(), **sgd)
         scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
         amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
         autocast = functools.partial(torch.autocast, device.type, amp_dtype, amp_dtype is not None)
@@ -292,7 +282,6 @@ def main(argv=None):
         resume, ckpt = broadcast_object(together(load, run=rank == 0))
         if resume:
             load_model_state(raw_model, ckpt["model"], resume)
-        if resume:
             saved = {"schedule": "onecycle", **ckpt["args"]}  # the shorter copies: onecycle
             changed = [k for k in ("epochs", "schedule", "warmup") if saved[k] != getattr(args, k)]
             if changed:  # the schedule is a function of these: it cannot go on where it was
@@ -327,18 +316,8 @@ def main(argv=None):
         if info.distributed:
             device_ids = [device.index] if device.type == "cuda" else None
             model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
-        hooked = info.distributed and (args.comm_hook != "none" or args.local_sgd_period)  # comm
-        hook_state = register_comm_hook(model, args, step, total_steps) if hooked else None  # comm
-        if args.compile:
-            model = torch.compile(model)  # around DDP, so graph breaks follow its buckets
-        # comm: what each rank sends per step (PowerSGD's count comes at the end)
-        grad_mb = sum(p.numel() * p.element_size() for p in raw_model.parameters()) / 2**20
-        sends = {"fp16": grad_mb / 2, "bf16": grad_mb / 2, "none": grad_mb * (1 + zero)}
-        sends = (
-            grad_mb / args.local_sgd_period if args.local_sgd_period else sends.get(args.comm_hook)
-        )
-        if sends and info.distributed:
-            print0(f"sends: {sends:.4f} MB per rank per step")
+        # comm: a hook in place of DDP's all-reduce; PowerSGD's state counts what it sent
+        hook_state = register_comm_hook(model, args, start, step) if info.distributed else None
 
         def save(step):
             """A checkpoint that goes on after `step` steps exactly (all ranks participate):
@@ -379,72 +358,68 @@ def main(argv=None):
             loss_sum, count, first_bad = torch.tensor([0, 0, math.inf], device=device).double()
             model.train()
             t0 = time.perf_counter()
-            bar = tqdm(
-                total=steps, desc=f"epoch {epoch}", disable=rank != 0, mininterval=1, leave=False
-            )
-            for i, (images, labels) in enumerate(train_loader):
-                images = images.to(device, non_blocking=True)
-                images = images.contiguous(memory_format=memory_format)
-                labels = labels.to(device, non_blocking=True)
-                # Gradient accumulation: no_sync() keeps all but the last micro-batch's
-                # gradients local, where they add up in .grad: one all-reduce per step.
-                last_micro = (i + 1) % args.accum_steps == 0
-                sync = last_micro or not info.distributed
-                with contextlib.nullcontext() if sync else model.no_sync():
-                    with autocast():
-                        logits = model(images)
-                        loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
-                    # The step's gradient is the mean over its micro-batches.
-                    scaler.scale(loss / args.accum_steps).backward()
-                loss = loss.detach()
-                loss_sum += loss * labels.numel()
-                count += labels.numel()
-                first_bad = torch.where(loss.isfinite(), first_bad, first_bad.clamp(max=step))
-                if not last_micro:
-                    continue
-                if args.clip_grad > 0:
-                    scaler.unscale_(optimizer)  # clip the true gradients, not fp16-scaled ones
-                    nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
-                scaler.step(optimizer)  # skipped if fp16 gradients overflowed
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                scheduler.step()
-                step, done = step + 1, done + 1
-                bar.update()
-                last = done == steps or step == args.max_steps
-                snapshot = args.save_every and step % args.save_every == 0 and not last
-                if args.local_sgd_period and step > args.local_sgd_start:
-                    # comm: average the weights every K steps, and before an evaluation or a
-                    # checkpoint the momentum too: one model is saved, and a resume is exact.
-                    tensors = list(model.parameters())
-                    if last or snapshot:
-                        moms = (s.get("momentum_buffer") for s in optimizer.state.values())
-                        tensors += [m for m in moms if m is not None]
-                    if (
-                        last
-                        or snapshot
-                        or (step - args.local_sgd_start) % args.local_sgd_period == 0
-                    ):
-                        average_replicas(tensors)  # all ranks participate
-                if step % args.log_every == 0 or last or snapshot:
-                    # One all-reduce per log step (all ranks participate) feeds the bar, and
-                    # every rank sees the same NaN: all stop before it replaces a good checkpoint.
-                    totals = reduce_value(torch.stack([loss_sum, count]))
-                    if not totals.isfinite().all():
-                        bar.close()
-                        if info.distributed:
-                            dist.all_reduce(first_bad, dist.ReduceOp.MIN)
-                        fix = "lower --lr, add --clip-grad, or use --amp bf16 instead of fp16"
-                        fail(f"non-finite loss at step {int(first_bad)}: {fix}")
-                    train_loss = (totals[0] / totals[1]).item()
-                    bar.set_postfix(
-                        loss=f"{train_loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.3g}"
-                    )
-                if snapshot:
-                    save(step)  # a mid-epoch checkpoint; all ranks participate
-                if last:
-                    break
-            bar.close()
+            # `with`: the bar is closed also when an error ends the epoch, so the error's
+            # line is a line of its own.
+            bar = tqdm(total=steps, desc=f"epoch {epoch}", disable=rank != 0, leave=False)
+            with bar:
+                for i, (images, labels) in enumerate(train_loader):
+                    images = images.to(device, non_blocking=True)
+                    images = images.contiguous(memory_format=memory_format)
+                    labels = labels.to(device, non_blocking=True)
+                    # Gradient accumulation: no_sync() keeps all but the last micro-batch's
+                    # gradients local, where they add up in .grad: one all-reduce per step.
+                    last_micro = (i + 1) % args.accum_steps == 0
+                    sync = last_micro or not info.distributed
+                    with contextlib.nullcontext() if sync else model.no_sync():
+                        with autocast():
+                            logits = model(images)
+                            loss = F.cross_entropy(
+                                logits, labels, label_smoothing=args.label_smoothing
+                            )
+                        # The step's gradient is the mean over its micro-batches.
+                        scaler.scale(loss / args.accum_steps).backward()
+                    loss = loss.detach()
+                    loss_sum += loss * labels.numel()
+                    count += labels.numel()
+                    first_bad = torch.where(loss.isfinite(), first_bad, first_bad.clamp(max=step))
+                    if not last_micro:
+                        continue
+                    if args.clip_grad > 0:
+                        scaler.unscale_(optimizer)  # clip the true gradients, not fp16-scaled ones
+                        nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+                    scaler.step(optimizer)  # skipped if fp16 gradients overflowed
+                    scaler.update()
+                    optimizer.zero_grad(set_to_none=True)
+                    scheduler.step()
+                    step, done = step + 1, done + 1
+                    bar.update()
+                    last = done == steps or step == args.max_steps
+                    snapshot = args.save_every and step % args.save_every == 0 and not last
+                    # comm: local SGD averages the weights every K steps, and before an evaluation
+                    # or a checkpoint the momentum too: one model is saved, and resumes exactly.
+                    local = args.local_sgd_period and step > start
+                    if local and (last or snapshot or (step - start) % args.local_sgd_period == 0):
+                        moms = [s.get("momentum_buffer") for s in optimizer.state.values()]
+                        moms = [m for m in moms if m is not None and (last or snapshot)]
+                        average_replicas([*model.parameters(), *moms])  # all ranks participate
+                    if step % args.log_every == 0 or last or snapshot:
+                        # One all-reduce per log step (all ranks participate) feeds the bar,
+                        # and every rank sees the same NaN: all stop before it can replace a
+                        # good checkpoint.
+                        totals = reduce_value(torch.stack([loss_sum, count]))
+                        if not totals.isfinite().all():
+                            if info.distributed:
+                                dist.all_reduce(first_bad, dist.ReduceOp.MIN)
+                            fix = "lower --lr, add --clip-grad, or use --amp bf16 instead of fp16"
+                            fail(f"non-finite loss at step {int(first_bad)}: {fix}")
+                        train_loss = (totals[0] / totals[1]).item()
+                        bar.set_postfix(
+                            loss=f"{train_loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.3g}"
+                        )
+                    if snapshot:
+                        save(step)  # a mid-epoch checkpoint; all ranks participate
+                    if last:
+                        break
             seconds = time.perf_counter() - t0  # the loss all-reduce above synchronised
 
             # BatchNorm's running statistics are per rank until DDP copies rank 0's at the
@@ -466,11 +441,24 @@ def main(argv=None):
                 append_metrics(metrics, record)
             if args.output_dir:
                 save(step)  # all ranks participate
-        if args.comm_hook == "powersgd" and hook_state and hook_state.total_numel_after_compression:
-            rate, start = hook_state.compression_stats()[0], hook_state.start_powerSGD_iter
-            print0(
-                f"powersgd: {rate:.1f}x fewer gradient numbers than plain DDP after {start} steps"
-            )
+        if info.distributed:  # comm: what each rank hands to the collectives per step
+            # DDP all-reduces the gradients in buckets, each as soon as backward has filled it,
+            # and broadcasts rank 0's buffers (BatchNorm's statistics) at a step's first forward;
+            # fp16/bf16 send 2 bytes a number, PowerSGD its factors; ZeRO then broadcasts the
+            # updated weights (each rank its share); local SGD sends the weights every K steps.
+            grads = sum(p.nbytes for p in raw_model.parameters()) / 2**20  # MB
+            buffers = sum(b.nbytes for b in raw_model.buffers()) / 2**20
+            fewer = 2 if args.comm_hook in ("fp16", "bf16") else 1
+            if args.comm_hook == "powersgd":  # it counts the numbers it sent (0: none yet)
+                fewer = hook_state.compression_stats()[0] or 1
+            mb, cap = grads / fewer + grads * zero, model.bucket_bytes_cap / 2**20
+            how = f"the gradients in buckets of <= {cap:.0f} MB, each sent as backward goes on"
+            how += f", {args.comm_hook}: {fewer:.1f}x fewer" if fewer != 1 else ""
+            how += "; then the weights, broadcast by ZeRO" if zero else ""
+            if args.local_sgd_period:
+                mb, how = grads / args.local_sgd_period, "the weights, every K steps"
+            how += f"; buffers {buffers:.4f} MB" if buffers else ""
+            print0(f"sends: {mb + buffers:.4f} MB per rank per step ({how})")
         if info.distributed:
             # Leave together (all ranks participate): rank 0 hosts the store, and a rank still
             # tearing its group down when rank 0 has gone can abort at exit.

@@ -75,24 +75,13 @@ def main():
         device, fmt = info.device, torch.channels_last
         models, opts_per_hook = {}, {}
         for hook in HOOKS:
-            args = ddp_comm.get_args(
-                [
-                    "--model",
-                    opts.model,
-                    "--comm-hook",
-                    hook,
-                    "--powersgd-rank",
-                    str(opts.powersgd_rank),
-                ]
-                + [
-                    "--powersgd-start",
-                    "2",
-                ]  # compress from the third step: the warm-up below covers the first two
-            )
+            flags = ["--model", opts.model, "--comm-hook", hook]
+            args = ddp_comm.get_args([*flags, "--powersgd-rank", str(opts.powersgd_rank)])
             torch.manual_seed(0)
             model = build_model(opts.model, 1, 10).to(device, memory_format=fmt)
             model = DDP(model, [info.device.index] if info.device.type == "cuda" else None)
-            ddp_comm.register_comm_hook(model, args, step=0, total_steps=1)
+            # PowerSGD compresses from the third step: the warm-up below covers the first two.
+            ddp_comm.register_comm_hook(model, args, start=2, step=0)
             models[hook] = model
             opts_per_hook[hook] = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         grad_bytes = sum(
@@ -145,6 +134,9 @@ def main():
                 bytes_ratio={hook: sent[hook] / grad_bytes for hook in HOOKS},
             )
             print(json.dumps(result), flush=True)
+        # Leave together (all ranks participate): a rank tearing its group down while the
+        # other has gone could abort at exit.
+        dist.barrier()
     finally:
         cleanup()
 

@@ -101,26 +101,20 @@ class Trainer:
             if option == "blocking"
             else DDP(model, [info.device.index] if info.device.type == "cuda" else None)
         )
-        flags = [
-            "--model",
-            opts.model,
-            "--powersgd-rank",
-            str(opts.powersgd_rank),
-            "--powersgd-start",
-            "2",
-        ]
+        flags = ["--model", opts.model, "--powersgd-rank", str(opts.powersgd_rank)]
         if option in ("fp16", "bf16", "powersgd"):
             flags += ["--comm-hook", option]
         self.period = int(option[5:]) if option.startswith("local") else 0
         if self.period:
-            flags += ["--local-sgd-period", str(self.period), "--local-sgd-start", "0"]
+            flags += ["--local-sgd-period", str(self.period)]
         args = ddp_comm.get_args(flags)
         if option != "blocking" and (args.comm_hook != "none" or self.period):
-            ddp_comm.register_comm_hook(self.model, args, step=0, total_steps=1)
+            # Local SGD from the first step; PowerSGD from the third (the warm-up's two).
+            start = 0 if self.period else 2
+            ddp_comm.register_comm_hook(self.model, args, start, step=0)
         elif twin and option in ("ddp", "zero"):
-            self.model.register_comm_hook(
-                None, default_hooks.allreduce_hook
-            )  # the same buckets, counted
+            # The same buckets through torch.distributed.all_reduce, where they are counted.
+            self.model.register_comm_hook(None, default_hooks.allreduce_hook)
         sgd = dict(lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)
         if option == "zero":
             self.optimizer = ZeroRedundancyOptimizer(self.params, torch.optim.SGD, **sgd)

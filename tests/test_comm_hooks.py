@@ -24,6 +24,7 @@ from conftest import (
 TOLERANCE = {"fp16": 2e-4, "bf16": 1e-3}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hook", ["fp16", "bf16"])
 def test_compressed_allreduce_stays_within_rounding(tmp_path, mlp_reference, hook):
     torchrun(
@@ -45,6 +46,7 @@ def test_compressed_allreduce_stays_within_rounding(tmp_path, mlp_reference, hoo
     assert max_abs_diff(model, reference) > 1e-6  # fp32 would be ~1e-8: the gradients were rounded
 
 
+@pytest.mark.slow
 def test_powersgd_learns_and_compresses(tmp_path):
     proc = torchrun(
         2, ["ddp_comm.py", *CNN_ARGS, "--comm-hook", "powersgd", "--output-dir", tmp_path]
@@ -61,6 +63,7 @@ def test_comm_hook_with_one_process_says_it_does_nothing():
     assert "no effect with one process" in proc.stdout
 
 
+@pytest.mark.slow
 def test_powersgd_with_several_buckets_keeps_ranks_in_step(tmp_path):
     # ResNet-18's 11 M parameters fill several DDP buckets. On gloo, PowerSGD's follow-up
     # all-reduces then raced the next bucket's, and ranks disagreed on which came first:

@@ -7,11 +7,10 @@ steps: the same samples in each step (DistributedSampler's permutation, or dp_tr
 RandomSampler reseeded the same way), the same scaled learning rate and schedule, the same
 loss. The MLP has no BatchNorm, so 2 processes equal one up to float rounding. Checked
 straight through 2 epochs and across a stop after the first epoch and a resume. And
-ddp_comm.py keeps ddp_train.py's lines word for word.
+ddp_comm.py keeps ddp_train.py's lines word for word, but for the options it leaves out.
 """
 
 import difflib
-import inspect
 
 import pytest
 from conftest import (
@@ -28,7 +27,6 @@ from conftest import (
 )
 
 import common
-import ddp_train
 
 # 62 steps per epoch (2000 samples, global batch 32), 2 epochs. The rate is high enough that
 # the weights move far more than the tolerance.
@@ -102,12 +100,14 @@ def stopped(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_the_weights_moved(straight):
     common.seed_everything(3)  # what every script does just before it builds the model
     initial = common.build_model("mlp", 1, 10).state_dict()
     assert max_abs_diff(initial, straight["model"]) > 50 * ATOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["ddp_mp_spawn", "ddp_train", "ddp_comm"])
 def test_same_weights_as_dataparallel(straight, tmp_path, script):
     LAUNCH[script](tmp_path)
@@ -116,6 +116,7 @@ def test_same_weights_as_dataparallel(straight, tmp_path, script):
     assert max_abs_diff(ckpt["model"], straight["model"]) < ATOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["dp_train", "ddp_mp_spawn", "ddp_train"])
 def test_stop_and_resume_at_an_epoch_boundary(straight, tmp_path, script):
     LAUNCH[script](tmp_path, *EPOCH)
@@ -127,6 +128,7 @@ def test_stop_and_resume_at_an_epoch_boundary(straight, tmp_path, script):
     assert max_abs_diff(ckpt["model"], straight["model"]) < ATOL
 
 
+@pytest.mark.slow
 def test_ranks_resume_from_rank_0s_checkpoint(straight, stopped, tmp_path):
     """Rank 0 finds a checkpoint, rank 1 sees an empty directory (an output directory that is
     not shared between nodes). Rank 0 alone decides, reads and sends the checkpoint: both
@@ -147,34 +149,81 @@ def test_ranks_resume_from_rank_0s_checkpoint(straight, stopped, tmp_path):
     assert not (empty / "checkpoint.pt").exists()  # only rank 0 writes
 
 
+# What ddp_comm.py leaves out of ddp_train.py (its docstring names it). Blocks: the lines
+# opening each, with what is indented under them or closes their bracket. Words: the lines of
+# ddp_train.py holding one (the options left out, and the lines that name them).
+LEFT_OUT_BLOCKS = (
+    "def random_crop_flip(",
+    "if args.augment:",
+    "if args.sync_bn",
+    "if args.eval_only:",
+    "if args.compile:",
+    'if args.amp == "fp16" and device.type == "cpu":',
+    "def factor(step):",  # the cosine schedule's
+)
+LEFT_OUT_WORDS = (
+    "--image-size",
+    '"image_size"',
+    "args.image_size",
+    "--augment",
+    "--sync-bn",
+    "--eval-only",
+    "args.eval_only",
+    "--compile",
+    '"cosine"',
+    "LambdaLR",
+    "warmup = max(1, int(args.warmup * total_steps))",
+    'if args.schedule == "onecycle":',
+)
+
+
+def indentation(line):
+    return len(line) - len(line.lstrip())
+
+
+def left_out(lines):
+    """The indices of `lines` that LEFT_OUT_BLOCKS and LEFT_OUT_WORDS cover."""
+    out = set()
+    for i, line in enumerate(lines):
+        if any(word in line for word in LEFT_OUT_WORDS):
+            out.add(i)
+        if not line.strip().startswith(LEFT_OUT_BLOCKS):
+            continue
+        indent = indentation(line)
+        j = i + 1
+        while j < len(lines) and (not lines[j].strip() or indentation(lines[j]) > indent):
+            j += 1
+        if line.rstrip().endswith("("):  # a statement over several lines: and its closing line
+            j += 1
+        out.update(range(i, j))
+    return out
+
+
+def missing_from_ddp_comm(train, comm):
+    """The lines of ddp_train.py's source `train` (after its docstring) that are not left out
+    and that ddp_comm.py's `comm` lacks, compared in order, indentation aside."""
+    body = train.index('"""', 1) + 1
+    train, comm = train[body:], comm[comm.index('"""', 1) + 1 :]
+    skip = left_out(train)
+    a, b = [line.strip() for line in train], [line.strip() for line in comm]
+    lost = []
+    for tag, i1, i2, _, _ in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if tag in ("delete", "replace"):
+            lost += [train[i] for i in range(i1, i2) if i not in skip and a[i]]
+    return lost
+
+
 def test_ddp_comm_keeps_every_line_of_ddp_train():
-    """ddp_comm.py is ddp_train.py plus marked lines, minus the options it leaves out: every
-    other line of ddp_train.py must appear in it, in order. A line changed in one copy alone
-    shows here as a line of ddp_train.py that ddp_comm.py lacks."""
+    """ddp_comm.py is ddp_train.py plus marked lines, minus what it leaves out: every other
+    line of ddp_train.py appears in it, in order. A line changed in one copy alone shows here as
+    a line of ddp_train.py that ddp_comm.py lacks."""
     train = (ROOT / "ddp_train.py").read_text().splitlines()
     comm = (ROOT / "ddp_comm.py").read_text().splitlines()
-    left_out = (
-        "image_size",
-        "image-size",
-        "SyncBatchNorm",
-        "random_crop_flip",
-        "augment",
-        "sync_bn",
-        "sync-bn",
-        "eval_only",
-        "eval-only",
-    )
-    main = inspect.getsource(ddp_train.main)
-    eval_only = main.split("        if args.eval_only:\n")[1].split("            return\n")[0]
-    # ddp_comm.py makes either optimizer from one dict of settings (--zero).
-    sgd = main.split("        optimizer = torch.optim.SGD(\n")[1].split("        )\n")[0]
-    allowed = {"", *inspect.getsource(ddp_train.random_crop_flip).splitlines()}
-    allowed |= {*eval_only.splitlines(), "            return", *sgd.splitlines()}
-    allowed |= {"        optimizer = torch.optim.SGD(", "        )"}
-    body = train.index('"""', 1) + 1  # after the module docstring
-    lost = []
-    ops = difflib.SequenceMatcher(None, train, comm, autojunk=False).get_opcodes()
-    for tag, i1, i2, _, _ in ops:
-        if tag in ("delete", "replace"):
-            lost += [ln for ln in train[max(i1, body) : i2] if ln not in allowed]
-    assert [ln for ln in lost if not any(w in ln for w in left_out)] == []
+    assert missing_from_ddp_comm(train, comm) == []
+    # It sees a comment changed in ddp_comm.py alone, and code changed in ddp_train.py alone.
+    i = next(i for i, line in enumerate(comm) if "every epoch repeats epoch 0's order" in line)
+    edited = [*comm[:i], comm[i].replace("epoch 0's", "the first"), *comm[i + 1 :]]
+    assert missing_from_ddp_comm(train, edited) == [comm[i]]
+    i = train.index("        lr = args.lr * global_batch / 256")
+    edited = [*train[:i], train[i].replace("256", "128"), *train[i + 1 :]]
+    assert missing_from_ddp_comm(edited, comm) == [edited[i]]
