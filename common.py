@@ -3,6 +3,7 @@ rank helpers, in-memory data, the models, exact evaluation and safe checkpoints.
 
 import argparse
 import datetime
+import gc
 import glob
 import importlib
 import json
@@ -219,6 +220,12 @@ def peer_failure(error, info):
 def cleanup():  # the teardown matching init_distributed_mode; call it in a `finally`
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        # DTensor's caches keep every DeviceMesh alive, and a mesh its process groups, whose
+        # threads would run into the interpreter's exit and can abort it (PyTorch issue 190489).
+        from torch.distributed.device_mesh import DeviceMesh
+
+        for mesh in [obj for obj in gc.get_objects() if isinstance(obj, DeviceMesh)]:
+            getattr(mesh, "_pg_registry", {}).clear()
 
 
 def get_world_size():
