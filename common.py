@@ -425,12 +425,70 @@ class MLP(nn.Sequential):
         super().__init__(nn.Flatten(), first, nn.ReLU(inplace=True), nn.Linear(hidden, num_classes))
 
 
-MODELS = {"cnn": SmallCNN, "resnet18": resnet18_small, "mlp": MLP}
+class Attention(nn.Module):
+    """Multi-head self-attention with q, k, v and the output projection as four Linears
+    (tensor parallelism splits each of them, and with them the heads)."""
+
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.head_dim = dim // heads
+        self.q, self.v, self.proj = (nn.Linear(dim, dim) for _ in range(3))
+        # No key bias: it adds one constant to a query's scores, which softmax ignores, so its
+        # gradient is zero plus rounding noise (that Adam would scale up to full steps).
+        self.k = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        def heads(y):  # (N, tokens, heads * head_dim) -> (N, heads, tokens, head_dim)
+            # -1: the heads this process holds (all unless a tensor-parallel plan split them)
+            return y.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)))
+        return self.proj(out.transpose(1, 2).flatten(2))
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: x + attention(norm(x)), then x + MLP(norm(x))."""
+
+    def __init__(self, dim, heads, mlp_ratio=4):
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(dim), Attention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim)
+        hidden = mlp_ratio * dim
+        self.mlp = nn.Sequential(
+            OrderedDict(fc1=nn.Linear(dim, hidden), act=nn.GELU(), fc2=nn.Linear(hidden, dim))
+        )
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class ViT(nn.Module):
+    """A small Vision Transformer (Dosovitskiy et al., 2021): each patch of the image a token,
+    pre-norm blocks (the units that FSDP shards and tensor parallelism splits), the tokens'
+    mean, a linear head."""
+
+    def __init__(self, in_channels=1, num_classes=10, size=28, dim=96, depth=4, heads=4):
+        super().__init__()
+        patch = max(1, size // 4)  # 4 x 4 tokens
+        self.patch_embed = nn.Conv2d(in_channels, dim, patch, stride=patch)
+        self.pos = nn.Parameter(0.02 * torch.randn(1, (size // patch) ** 2, dim))
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(depth))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, num_classes)
+
+    def forward(self, x):
+        x = self.patch_embed(x).flatten(2).transpose(1, 2) + self.pos  # (N, tokens, dim)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x).mean(1))
+
+
+MODELS = {"cnn": SmallCNN, "resnet18": resnet18_small, "mlp": MLP, "vit": ViT}
 
 
 def build_model(name, in_channels, num_classes, image_size=28):
-    if name == "mlp":  # the one model whose first layer depends on the image size
-        return MLP(in_channels, num_classes, size=image_size)
+    if name in ("mlp", "vit"):  # the models whose shape depends on the image size
+        return MODELS[name](in_channels, num_classes, size=image_size)
     return MODELS[name](in_channels, num_classes)
 
 

@@ -1,0 +1,375 @@
+"""Fully sharded data parallelism (FSDP2): each process keeps 1/N of every weight, gradient
+and optimizer state; launched by torchrun.
+
+DDP keeps the whole model, its gradients and its optimizer state on every device. FSDP shards
+them over the N processes (Zhao et al., 2023): just before a block runs, its weights are
+all-gathered from the shards, and freed after it; backward reduce-scatters its gradients, so
+each process gets the mean for its own shard and steps its own slice of the optimizer state.
+Use it when the model and its optimizer state do not fit on one device beside the
+activations; while they do, ddp_train.py is simpler.
+
+Launch (--output-dir: one directory for all processes, on several nodes a shared one):
+    python fsdp_train.py                                    # one process: nothing to shard
+    torchrun --standalone --nproc_per_node=N fsdp_train.py  # N: this machine's GPUs
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
+        --rdzv-endpoint=HOST:29500 --rdzv-id=myjob fsdp_train.py   # on every node
+
+Every process writes its own shards of a checkpoint (torch.distributed.checkpoint); a rerun
+with the same --output-dir resumes from it at any number of processes. OUTPUT_DIR/model.pt
+(and --export PATH) holds the whole trained model for one process (quantize.py, finetune.py).
+--batch-size is per process; --lr is the peak AdamW rate per 256 samples of the global batch.
+"""
+
+import argparse
+import functools
+import itertools
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.optim.lr_scheduler import LambdaLR
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, DistributedSampler
+
+from common import (
+    DATASETS,
+    MODELS,
+    ArgumentParser,
+    append_metrics,
+    atomic_write,
+    broadcast_object,
+    build_model,
+    check_flags,
+    check_output_dir,
+    cleanup,
+    collate,
+    eval_shard,
+    evaluate,
+    fail,
+    fast_forward,
+    first_line,
+    init_distributed_mode,
+    load_datasets,
+    peer_failure,
+    print0,
+    read_torch_file,
+    reduce_value,
+    rng_state,
+    seed_everything,
+    set_rng_state,
+    together,
+    trim_metrics,
+)
+
+try:  # FSDP2's public home since PyTorch 2.6
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+except ImportError:
+    fully_shard = None
+
+
+def get_args(argv=None):
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    add = p.add_argument
+    add("--data", default="fashion-mnist", choices=DATASETS, help="data set")
+    add("--data-dir", default="data", help="root holding the data set (torchvision's layout)")
+    add("--download", action="store_true", help="download the data set if it is missing")
+    add("--model", default="vit", choices=sorted(MODELS), help="network")
+    add("--epochs", type=int, default=5, help="passes over the training set")
+    add("--batch-size", type=int, default=128, help="samples per process per step")
+    add("--lr", type=float, default=3e-3, help="peak AdamW rate per 256 samples of global batch")
+    add("--weight-decay", type=float, default=0.05, help="AdamW's decoupled weight decay")
+    add("--warmup", type=float, default=0.1, help="fraction of all steps spent warming up")
+    add("--seed", type=int, default=0, help="seed for the weights and the shuffling")
+    add("--amp", default="none", choices=["none", "bf16"], help="bf16: compute in bf16")
+    reshard = "free a block's gathered weights after forward (--no-...: keep them for backward)"
+    add(
+        "--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True, help=reshard
+    )
+    ac = "keep each block's input only; recompute the block in backward"
+    add("--checkpoint-activations", action="store_true", help=ac)
+    add("--cpu-offload", action="store_true", help="keep the shards in CPU memory (CUDA)")
+    add("--compile", action="store_true", help="torch.compile the model")
+    add("--clip-grad", type=float, default=0.0, help="max gradient norm; 0: no clipping")
+    add("--resume", help="checkpoint directory (default: OUTPUT_DIR/checkpoint if any)")
+    add("--eval-only", action="store_true", help="only evaluate the model given by --resume")
+    add("--max-steps", type=int, default=0, help="stop after this many steps; 0: no limit")
+    add("--output-dir", help="where checkpoints, model.pt and metrics.jsonl go; none: nothing")
+    add("--export", help="also write the whole trained model to this file")
+    add("--log-every", type=int, default=50, help="steps between progress and NaN checks")
+    add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if any")
+    add("--backend", choices=["gloo", "nccl"], help="default: nccl on CUDA, else gloo")
+    add("--dist-timeout", type=float, default=300, help="seconds before a lost peer ends the job")
+    args = p.parse_args(argv)
+    at_least_1 = ("epochs", "batch_size", "log_every")
+    not_negative = ("max_steps", "clip_grad")
+    check_flags(args, at_least_1, not_negative, positive=("lr", "dist_timeout"))
+    if not 0 <= args.warmup < 1:
+        fail(f"--warmup is a fraction of the run, in [0, 1); got {args.warmup}")
+    if args.eval_only and not args.resume:
+        fail("--eval-only needs --resume DIR (the checkpoint to evaluate)")
+    return args
+
+
+def read_meta(path, args):
+    """Rank 0: the checkpoint's step, RNG and flags, after checking that it is one of ours."""
+    path = Path(path)
+    if path.is_file():
+        why = "fsdp_train.py resumes from a checkpoint directory of torch.distributed.checkpoint"
+        fail(f"{path} is a single-file checkpoint (ddp_train.py's?); {why}")
+    meta = read_torch_file(path / "meta.pt")  # "does not exist" for another directory
+    if meta["args"]["model"] != args.model:
+        fail(f"checkpoint {path} holds a --model {meta['args']['model']}, not {args.model}")
+    return meta
+
+
+def load_shards(state, path):
+    """dcp.load: every rank reads the pieces of the saved shards that make up its own, at any
+    number of processes (all ranks participate); a missing or truncated file is one line."""
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except dcp.CheckpointException as e:  # every rank gets every rank's failures
+        cause = first_line(next(iter(e.failures.values()))[0])
+        fail(f"cannot read checkpoint {path} (a missing or truncated shard?): {cause}")
+    except Exception as e:  # noqa: BLE001 - a shape or key that does not fit, say
+        fail(f"cannot read checkpoint {path}: {first_line(e)}")
+
+
+def main(argv=None):
+    args = get_args(argv)
+    if fully_shard is None:
+        fail(f"fsdp_train.py needs PyTorch 2.6 or newer (this is {torch.__version__})")
+    # The process group: rank, world size and device from whichever launcher started us.
+    info = init_distributed_mode(
+        backend=args.backend, device=args.device, timeout_s=args.dist_timeout
+    )
+    device, rank, world = info.device, info.rank, info.world_size
+    try:
+        if args.cpu_offload and device.type != "cuda":
+            fail("--cpu-offload keeps the shards in CPU memory for a GPU to compute on: no GPU")
+        seed_everything(args.seed)  # the same initial weights on every rank
+
+        # Data: each rank trains on a disjoint 1/world of a permutation of (seed, epoch).
+        train_set, test_set, num_classes, in_channels = load_datasets(
+            args.data, args.data_dir, args.download, None, info.local_rank
+        )
+        if (shard := len(train_set) // world) < args.batch_size:
+            fail(f"--batch-size {args.batch_size} is larger than one rank's shard ({shard})")
+        sampler = DistributedSampler(train_set, world, rank, seed=args.seed, drop_last=True)
+        pin = dict(collate_fn=collate, pin_memory=device.type == "cuda")
+        train_loader = DataLoader(
+            train_set, args.batch_size, sampler=sampler, drop_last=True, **pin
+        )
+        # Exact evaluation: every test sample once over all ranks, none padded in.
+        test_loader = DataLoader(eval_shard(test_set, rank, world), 2 * args.batch_size, **pin)
+        steps_per_epoch, global_batch = len(train_loader), args.batch_size * world
+        total_steps = args.epochs * steps_per_epoch
+
+        image_size = train_set[0][0].shape[-1]
+        model = build_model(args.model, in_channels, num_classes, image_size=image_size)
+        model = raw_model = model.to(device)  # raw_model: no torch.compile wrapper
+        # The units that FSDP gathers and frees one at a time: the ViT's transformer blocks,
+        # ResNet's stages (the MLP and the CNN are one unit, the root, whole).
+        stages = [getattr(model, f"layer{i}", None) for i in range(1, 5)]
+        blocks = list(getattr(model, "blocks", [])) + [s for s in stages if s is not None]
+        if args.checkpoint_activations:
+            for block in blocks:
+                block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        if info.distributed:
+            # bf16: the gathered weights, and so the compute, in bf16; the gradients are
+            # reduced in fp32, where bf16's 8-bit mantissa would lose small contributions.
+            mp = MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.float32)
+            kwargs = dict(reshard_after_forward=args.reshard_after_forward)
+            kwargs.update(mp_policy=mp if args.amp == "bf16" else MixedPrecisionPolicy())
+            if args.cpu_offload:
+                kwargs.update(offload_policy=CPUOffloadPolicy())
+            # Each block a unit of its own, so that one block's whole weights exist at a time
+            # (and the next one's all-gather overlaps its compute); then the root, which takes
+            # the rest and must come last. Each parameter becomes a DTensor: 1/world of it here.
+            for block in blocks:
+                fully_shard(block, **kwargs)
+            fully_shard(model, **kwargs)
+        # One process has nothing to shard: autocast gives it bf16 instead.
+        use_autocast = args.amp == "bf16" and not info.distributed
+        autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, use_autocast)
+
+        # Every rank writes its own shards into the output directory: every rank checks it.
+        out = together(lambda: args.output_dir and check_output_dir(args.output_dir))
+
+        # The optimizer, made after fully_shard: it holds (and steps) the local shards only.
+        lr = args.lr * global_batch / 256
+        optimizer = torch.optim.AdamW(model.parameters(), lr, weight_decay=args.weight_decay)
+
+        # Resume. Rank 0 finds the checkpoint and checks it; every rank then reads its shards.
+        # "checkpoint.old": a save that died between its two renames (see save below).
+        step, meta = 0, None
+        auto = [Path(args.output_dir or "", name) for name in ("checkpoint", "checkpoint.old")]
+        auto = next((p for p in auto if args.output_dir and (p / "meta.pt").is_file()), None)
+        resume = args.resume or auto
+        if resume:
+            meta = broadcast_object(together(lambda: read_meta(resume, args), run=rank == 0))
+            model_sd, optim_sd = get_state_dict(raw_model, optimizer)  # to be filled in
+            together(lambda: load_shards(dict(model=model_sd, optimizer=optim_sd), resume))
+            set_state_dict(
+                raw_model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd
+            )
+        if resume and not args.eval_only:
+            saved = meta["args"]
+            changed = [k for k in ("epochs", "warmup") if saved[k] != getattr(args, k)]
+            if changed:  # the schedule is a function of these: it cannot go on where it was
+                was = ", ".join(f"--{k} {saved[k]}" for k in changed)
+                fail(f"{resume} was trained with {was}; resume with the same, or start anew")
+            for group in optimizer.param_groups:  # this run's settings, the saved moments
+                group.update(lr=lr, initial_lr=lr, weight_decay=args.weight_decay)
+            # The same global batch and seed make the same global batches at any number of
+            # processes (rank r takes every world-th sample): go on after the last step saved.
+            same = (meta["global_batch"], meta["steps_per_epoch"], saved["seed"])
+            if same == (global_batch, steps_per_epoch, args.seed):
+                step = meta["step"]
+                set_rng_state(meta["rng"], device)
+            else:  # other batches: a half-done epoch starts again, the schedule goes on
+                step = meta["step"] // meta["steps_per_epoch"] * steps_per_epoch
+            epoch, at = divmod(step, steps_per_epoch)
+            print0(f"resumed from {resume} at epoch {epoch}, step {at} of {steps_per_epoch}")
+
+        warmup = max(1, int(args.warmup * total_steps))
+
+        def factor(step):  # linear warm-up to the peak, then cosine decay to zero
+            done = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+            return (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * done))
+
+        scheduler = LambdaLR(optimizer, factor)
+        fast_forward(scheduler, step)  # the rate is a function of the step alone
+
+        @torch.no_grad()
+        def evaluate_all():
+            """Exact evaluation of the sharded model. Each forward all-gathers weights (all
+            ranks participate), so a rank with fewer test batches runs empty ones."""
+            for buffer in raw_model.buffers() if info.distributed else ():
+                dist.broadcast(buffer, src=0)  # BatchNorm statistics: one model on every rank
+            batches = torch.tensor(len(test_loader), device=device)
+            if info.distributed:
+                dist.all_reduce(batches, dist.ReduceOp.MAX)
+            empty = (torch.zeros(0, *test_set[0][0].shape), torch.zeros(0, dtype=torch.long))
+            padded = itertools.chain(test_loader, [empty] * (int(batches) - len(test_loader)))
+            return evaluate(raw_model, padded, device, autocast())
+
+        if args.eval_only:
+            loss, acc = evaluate_all()
+            print0(f"eval {resume}: test_loss {loss:.4f} test_acc {acc:.4f}")
+            return
+
+        if args.compile:
+            model = torch.compile(model)
+
+        def save(step):
+            """Every rank writes its shards into checkpoint.tmp, rank 0 adds meta.pt and renames
+            it: a crash mid-save leaves the previous checkpoint whole (all ranks participate)."""
+            tmp, final, old = (out / n for n in ("checkpoint.tmp", "checkpoint", "checkpoint.old"))
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's; before any rank writes
+            model_state, optim_state = get_state_dict(raw_model, optimizer)
+            dcp.save(dict(model=model_state, optimizer=optim_state), checkpoint_id=tmp)
+            if rank == 0:  # dcp.save returns here once every rank's shards are written
+                # The RNG is rank 0's: nothing in a step draws random numbers per rank.
+                meta = dict(step=step, steps_per_epoch=steps_per_epoch, rng=rng_state(device))
+                meta.update(global_batch=global_batch, args=vars(args))
+                atomic_write(tmp / "meta.pt", functools.partial(torch.save, meta))
+                if final.exists():
+                    final.rename(old)
+                tmp.rename(final)
+                shutil.rmtree(old, ignore_errors=True)
+
+        start_epoch = step // steps_per_epoch
+        metrics = out / "metrics.jsonl" if out and rank == 0 else None
+        if metrics and not (args.max_steps and step >= args.max_steps):
+            trim_metrics(metrics, start_epoch)  # epochs that run again lose their old lines
+        size = f"global batch {global_batch}, peak lr {lr:.3g}, {steps_per_epoch} steps/epoch"
+        print0(f"{args.model} on {args.data}: {world} process(es) on {device.type}, {size}")
+        if start_epoch >= args.epochs:
+            print0(f"{resume} already holds all {args.epochs} epochs: nothing to train")
+        for epoch in range(start_epoch, args.epochs):
+            if args.max_steps and step >= args.max_steps:
+                break
+            sampler.set_epoch(epoch)  # without it every epoch repeats epoch 0's order
+            epoch_step = step - epoch * steps_per_epoch
+            steps, done = steps_per_epoch - epoch_step, 0
+            # Sums stay on the device until a log step: .item() would stall a GPU every step.
+            loss_sum, count = torch.zeros(2, device=device, dtype=torch.float64)
+            model.train()
+            t0 = time.perf_counter()
+            # A mid-epoch resume skips the batches done: the order is a function of the epoch.
+            for images, labels in itertools.islice(train_loader, epoch_step, None):
+                images = images.to(device, non_blocking=True)
+                labels = labels.to(device, non_blocking=True)
+                with autocast():
+                    logits = model(images)
+                loss = F.cross_entropy(logits.float(), labels, label_smoothing=0.1)
+                # Each unit's gradients are reduce-scattered as soon as backward has made them:
+                # every rank keeps the mean over all ranks for its own shard.
+                loss.backward()
+                loss_sum += loss.detach() * labels.numel()
+                count += labels.numel()
+                if args.clip_grad > 0:
+                    # The norm of the whole gradient: DTensor sums the shards' squares over all
+                    # ranks, so every rank scales by the same factor.
+                    nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+                optimizer.step()  # this rank's shards only
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                step, done = step + 1, done + 1
+                last = done == steps or step == args.max_steps
+                if step % args.log_every == 0 or last:
+                    # One all-reduce per log step (all ranks participate); every rank sees
+                    # the same NaN, so all stop before it can replace a good checkpoint.
+                    totals = reduce_value(torch.stack([loss_sum, count]))
+                    train_loss, lr_now = (totals[0] / totals[1]).item(), scheduler.get_last_lr()[0]
+                    if not math.isfinite(train_loss):
+                        fail(f"non-finite loss by step {step}: lower --lr or add --clip-grad")
+                    print0(f"epoch {epoch} step {step}: loss {train_loss:.4f} lr {lr_now:.3g}")
+                if last:
+                    break
+            seconds = time.perf_counter() - t0  # the loss all-reduce above synchronised
+
+            test_loss, test_acc = evaluate_all()
+            speed, lr_now = done * global_batch / seconds, scheduler.get_last_lr()[0]
+            record = dict(epoch=epoch, step=step, train_loss=train_loss, test_loss=test_loss)
+            record.update(test_acc=test_acc, epoch_seconds=seconds, samples_per_second=speed)
+            record.update(lr=lr_now, world_size=world)
+            losses = f"train_loss {train_loss:.4f} test_loss {test_loss:.4f}"
+            print0(f"epoch {epoch}: {losses} test_acc {test_acc:.4f} {seconds:.1f}s")
+            if metrics:  # first: a crash before the checkpoint reruns the epoch, trimmed
+                append_metrics(metrics, record)
+            if out:
+                save(step)  # all ranks participate
+
+        # The whole model in one file that loads without FSDP: the shards gathered to rank 0's
+        # CPU memory (all ranks participate), written there alone.
+        if out or args.export:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            whole = get_model_state_dict(raw_model, options=options)
+            for path in filter(None, [out and out / "model.pt", args.export]):
+                write = functools.partial(atomic_write, path, functools.partial(torch.save, whole))
+                together(write, run=rank == 0)  # a bad --export path stops every rank
+        if info.distributed:
+            dist.barrier()  # leave together (all ranks participate): rank 0 hosts the store
+    except RuntimeError as e:
+        # A peer that died or hung for --dist-timeout breaks the others' collectives.
+        raise peer_failure(e, info) from None
+    finally:
+        cleanup()  # also on an error: the peers are not left waiting on a dead group
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Run fsdp_train.main() under a launcher with instruments, and write what they saw to
+REPORTS/rank{RANK}.json: `python -m torch.distributed.run ... tests/fsdp_probe.py MODE REPORTS
+-- ARGS`.
+
+MODE shards: per parameter, its whole shape, the shape of the shard this rank holds, and the
+    shapes of its AdamW state on this rank, read off the local tensors at the end of training.
+MODE collectives: FSDP's all-gathers and reduce-scatters, with their dtypes, in forward
+    (outside autograd's backward pass) and in backward, per training step.
+MODE recompute: calls of the ViT blocks' forward per training step.
+MODE clip: the gradient norm that clip_grad_norm_ returned at each step.
+MODE crash-in-save: the second checkpoint's shards are written, then the process dies.
+"""
+
+import json
+import os
+import sys
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import common  # noqa: E402
+import fsdp_train  # noqa: E402
+
+mode, reports, argv = sys.argv[1], sys.argv[2], sys.argv[sys.argv.index("--") + 1 :]
+seen = Counter()  # and lists
+optimizers = []
+
+
+def in_backward():
+    return torch._C._current_graph_task_id() != -1
+
+
+def count(name, kind):
+    real = getattr(dist, name)
+
+    def wrapper(*args, **kwargs):
+        tensor = kwargs.get("input", args[1] if len(args) > 1 else None)
+        if not evaluating:
+            phase = "backward" if in_backward() else "forward"
+            seen[f"{kind} {phase} {str(tensor.dtype).split('.')[-1]}"] += 1
+        return real(*args, **kwargs)
+
+    setattr(dist, name, wrapper)
+
+
+evaluating = False
+real_evaluate = fsdp_train.evaluate
+
+
+def evaluate(*args, **kwargs):  # its forwards are not training's
+    global evaluating
+    evaluating = True
+    return real_evaluate(*args, **kwargs)
+
+
+fsdp_train.evaluate = evaluate
+
+if mode == "collectives":
+    # FSDP2's collectives, named by PyTorch release.
+    for name, kind in [
+        ("all_gather_single", "all_gather"),
+        ("all_gather_into_tensor", "all_gather"),
+        ("reduce_scatter_single", "reduce_scatter"),
+        ("reduce_scatter_tensor", "reduce_scatter"),
+    ]:
+        if hasattr(dist, name):
+            count(name, kind)
+elif mode == "recompute":
+    real_forward = common.Block.forward
+
+    def forward(self, x):
+        seen["block forward"] += not evaluating
+        return real_forward(self, x)
+
+    common.Block.forward = forward
+elif mode == "shards":
+    real_adamw = torch.optim.AdamW
+
+    def adamw(*args, **kwargs):
+        optimizers.append(real_adamw(*args, **kwargs))
+        return optimizers[-1]
+
+    torch.optim.AdamW = adamw
+elif mode == "clip":
+    real_clip = torch.nn.utils.clip_grad_norm_
+
+    def clip(*args, **kwargs):
+        norm = real_clip(*args, **kwargs)
+        whole = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        seen.setdefault("norms", []).append(whole.item())
+        return norm
+
+    torch.nn.utils.clip_grad_norm_ = clip
+elif mode == "crash-in-save":
+    real_save = fsdp_train.dcp.save
+
+    def save(*args, **kwargs):
+        real_save(*args, **kwargs)
+        seen["saves"] += 1
+        if seen["saves"] == 2:
+            os._exit(9)  # every rank, after its shards and before meta.pt and the renames
+
+    fsdp_train.dcp.save = save
+
+real_cleanup = fsdp_train.cleanup
+
+
+def report():
+    if optimizers:
+        (optimizer,) = optimizers
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+        shapes = seen.setdefault("shapes", [])  # per parameter: (whole, local, local state)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = [
+                    list(local(optimizer.state[p][k]).shape) for k in ("exp_avg", "exp_avg_sq")
+                ]
+                shapes.append((list(p.shape), list(local(p).shape), state))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    with open(os.path.join(reports, f"rank{rank}.json"), "w") as f:
+        json.dump(dict(rank=rank, **seen), f)
+    real_cleanup()
+
+
+fsdp_train.cleanup = report
+fsdp_train.main(argv)
