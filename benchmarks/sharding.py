@@ -1,0 +1,141 @@
+"""What each rank holds, and the step time, for DDP, DDP with ZeRO and FSDP, side by side.
+
+    python benchmarks/sharding.py                      # 1, 2 and 3 processes; prints a table
+    python benchmarks/sharding.py --worlds 2 --models vit --steps 3
+
+For each number of processes, one torchrun launch trains every model under every wrapper
+in turn, in the same processes, at the same global batch (--global-batch, split over the
+ranks), on random tensors of Fashion-MNIST's shape: the bytes and the step time do not depend
+on the pixels. The wrappers are ddp_train.py's DDP, ddp_comm.py's --zero (DDP with
+ZeroRedundancyOptimizer: the optimizer state sharded) and fsdp_train.py's fully_shard per
+block and then on the root, with and without resharding after forward; the optimizer is
+AdamW everywhere (two moments per weight). The bytes are counted from the tensors each rank
+holds: its parameters (the local shards of DTensors), its gradients after backward, its
+optimizer state, and its parameters between forward and backward, where FSDP without
+resharding still holds every block's gathered weights. Step time is the median over --steps
+steps after one warm-up step; with more processes than cores they share the CPU.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from common import build_model, cleanup, init_distributed_mode  # noqa: E402
+
+WRAPPERS = ("ddp", "ddp+zero", "fsdp", "fsdp no reshard")
+
+
+def local_bytes(tensors):
+    """Bytes of what this rank holds of `tensors` (a DTensor's local shard only)."""
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def measure(name, wrapper, per_rank, steps, info):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = build_model(name, 1, 10, image_size=28)
+    net, adamw = model, dict(lr=1e-3, weight_decay=0.05)
+    if wrapper.startswith("ddp") and info.distributed:
+        net = DDP(model, gradient_as_bucket_view=True)  # .grad views DDP's buckets
+    if wrapper.startswith("fsdp") and info.distributed:
+        stages = [getattr(model, f"layer{i}", None) for i in range(1, 5)]  # as fsdp_train.py
+        for block in list(getattr(model, "blocks", [])) + [s for s in stages if s is not None]:
+            fully_shard(block, reshard_after_forward=wrapper == "fsdp")
+        fully_shard(model, reshard_after_forward=wrapper == "fsdp")
+    if wrapper == "ddp+zero" and info.distributed:
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **adamw)
+        local_optimizer = optimizer.optim  # the AdamW over this rank's share of the weights
+    else:
+        optimizer = local_optimizer = torch.optim.AdamW(model.parameters(), **adamw)
+    images, labels = torch.randn(per_rank, 1, 28, 28), torch.randint(0, 10, (per_rank,))
+    seconds, held = [], {}
+    for step in range(steps + 1):
+        start = time.perf_counter()
+        loss = F.cross_entropy(net(images), labels)
+        if step == 0:
+            held["params in forward"] = local_bytes(model.parameters())
+        loss.backward()
+        if step == 0:
+            held["grads"] = local_bytes(p.grad for p in model.parameters())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if info.distributed:
+            dist.barrier()  # a step ends when the slowest rank's does
+        seconds.append(time.perf_counter() - start)
+    held["params"] = local_bytes(model.parameters())
+    states = local_optimizer.state.values()
+    held["optimizer"] = local_bytes(t for s in states for t in s.values() if torch.is_tensor(t))
+    return dict(held, ms_per_step=1000 * statistics.median(seconds[1:]))
+
+
+def worker(args):
+    info = init_distributed_mode(device="cpu", timeout_s=300)
+    try:
+        for name in args.models:
+            for wrapper in WRAPPERS:
+                result = measure(
+                    name, wrapper, args.global_batch // info.world_size, args.steps, info
+                )
+                if info.rank == 0:
+                    print(
+                        json.dumps(
+                            dict(model=name, wrapper=wrapper, world=info.world_size, **result)
+                        ),
+                        flush=True,
+                    )
+    finally:
+        cleanup()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 3], help="process counts")
+    p.add_argument("--models", nargs="+", default=["vit", "resnet18"], help="networks")
+    p.add_argument("--global-batch", type=int, default=48, help="samples per step, all ranks")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per model and wrapper")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    rows = []
+    for world in args.worlds:
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += [f"--nproc_per_node={world}", __file__, "--worker", *sys.argv[1:]]
+        out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+        rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    mb = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
+    print(
+        "| model | processes | wrapper | params MB | in forward MB | grads MB | optimizer MB |"
+        " ms/step | vs DDP |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ddp = next(
+            d
+            for d in rows
+            if (d["model"], d["world"], d["wrapper"]) == (r["model"], r["world"], "ddp")
+        )
+        cells = [r["model"], r["world"], r["wrapper"], mb(r["params"]), mb(r["params in forward"])]
+        cells += [mb(r["grads"]), mb(r["optimizer"]), f"{r['ms_per_step']:.0f}"]
+        cells.append(f"{r['ms_per_step'] / ddp['ms_per_step']:.2f}x")
+        print("| " + " | ".join(map(str, cells)) + " |")
+
+
+if __name__ == "__main__":
+    main()
