@@ -224,7 +224,7 @@ def cleanup():  # the teardown matching init_distributed_mode; call it in a `fin
         # threads would run into the interpreter's exit and can abort it (PyTorch issue 190489).
         from torch.distributed.device_mesh import DeviceMesh
 
-        for mesh in [obj for obj in gc.get_objects() if isinstance(obj, DeviceMesh)]:
+        for mesh in [obj for obj in gc.get_objects() if type(obj) is DeviceMesh]:
             getattr(mesh, "_pg_registry", {}).clear()
 
 
