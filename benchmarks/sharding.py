@@ -119,7 +119,7 @@ def main():
         cmd += [f"--nproc_per_node={world}", __file__, "--worker", *sys.argv[1:]]
         out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
         rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    mb = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
+    mb = lambda b: f"{b / 2**20:.3f}"  # noqa: E731
     print(
         "| model | processes | wrapper | params MB | in forward MB | grads MB | optimizer MB |"
         " ms/step | vs DDP |"

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 
+import pytest
 from conftest import ROOT, SYNTHETIC, read_metrics, run_python
 
 spec = importlib.util.spec_from_file_location("run_all", ROOT / "benchmarks" / "run_all.py")
@@ -79,3 +80,20 @@ def test_input_pipeline_benchmark_iterates_ddp_train_loader():
     flags = [*SYNTHETIC, "--world-size", "2", "--batch-size", "64"]
     result = last_json(run_python(["benchmarks/input_pipeline.py", *flags]))
     assert result["batches"] == 15 and result["batch_size"] == 64 and result["ms_per_batch"] > 0
+
+
+def test_sharding_benchmark_counts_what_each_rank_holds():
+    proc = run_python(
+        ["benchmarks/sharding.py", "--worlds", "2", "--models", "mlp", "--steps", "1"]
+    )
+    rows = {}
+    for line in proc.stdout.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[2]] = [float(c) for c in cells[3:7]]  # weights, in forward, grads, optimizer
+    ddp, zero, fsdp, keep = (rows[w] for w in ("ddp", "ddp+zero", "fsdp", "fsdp no reshard"))
+    close = lambda mb: pytest.approx(mb, abs=0.002)  # noqa: E731 - printed to 0.001 MB
+    assert ddp[0] == ddp[1] == ddp[2] > 0 and ddp[3] == close(2 * ddp[0])  # Adam's 2 moments
+    # ZeRO hands out whole tensors: rank 0 holds the state of the MLP's first weight alone.
+    assert zero[:3] == ddp[:3] and ddp[0] < zero[3] < ddp[3]
+    assert fsdp[:3] == [close(ddp[0] / 2)] * 3 and fsdp[3] == close(ddp[0])
+    assert keep[0] == fsdp[0] and keep[1] == ddp[0]  # every block gathered until backward

@@ -13,7 +13,9 @@ import pytest
 import torch
 from conftest import (
     DIST_TIMEOUT,
+    METRIC_KEYS,
     SYNTHETIC,
+    assert_state_close,
     clean_env,
     free_port,
     read_metrics,
@@ -83,11 +85,15 @@ def references(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
     """The ViT on 2 processes (batch 2 x 6), 5 steps: a checkpoint of two shards."""
-    return train(tmp_path_factory.mktemp("fsdp_sharded"), "vit", 2, "vit")
+    tmp = tmp_path_factory.mktemp("fsdp_sharded")
+    return train(tmp, "vit", 2, "vit", "--export", tmp / "exported.pt")
 
 
 def test_two_processes_train_the_vit_as_one_does(sharded, references):
+    assert read_metrics(sharded)[-1].keys() >= METRIC_KEYS | {"step", "world_size"}
     assert read_metrics(sharded)[-1]["world_size"] == 2
+    exported = torch.load(sharded.parent / "exported.pt", weights_only=True)
+    assert_state_close(exported, whole(sharded), atol=0)  # --export: the same file
     assert_same_training(sharded, references["vit"], "vit")
 
 

@@ -586,3 +586,32 @@ def test_quantize_reads_a_cuda_checkpoint(run, tmp_path):
     rows = {r["method"]: r for r in json.loads(report.read_text())["results"]}
     [record] = read_metrics(out)
     assert rows["fp32"]["accuracy"] == pytest.approx(record["test_acc"], abs=2 / 499)
+
+
+# ----------------------------------------------------------------------------------------
+# fsdp_train.py
+
+
+def test_fsdp_bf16_and_cpu_offload(run):
+    """fsdp_train.py under torchrun on the device (NCCL on a GPU): bf16 through
+    MixedPrecisionPolicy and, on CUDA, the shards kept in CPU memory; its model.pt loads on the
+    CPU, evaluates there to what the run measured, and is the CPU fp32 run's within bf16's
+    rounding (Adam's steps do not depend on the gradients' scale, so the tolerance is AMP's)."""
+    vit = [*DIST_TIMEOUT, "--data", "synthetic", "--model", "vit", "--batch-size", "32"]
+    vit += ["--max-steps", "5", "--warmup", "0", "--lr", "0.05"]
+    flags = [*vit, "--device", DEVICE, "--amp", "bf16"] + ["--cpu-offload"] * CUDA
+    out, proc = run("fsdp_train.py", flags, nproc=1)
+    assert re.search(r"1 process\(es\) on " + DEVICE, proc.stdout), proc.stdout[-2000:]
+    assert (out / "checkpoint" / ".metadata").is_file()
+    state = torch.load(out / "model.pt", map_location="cpu", weights_only=True)
+    model = common.build_model("vit", 1, 10)
+    model.load_state_dict(state)
+    loss, acc = common.evaluate(model, synthetic_test_loader(), torch.device("cpu"))
+    record = read_metrics(out)[-1]
+    assert record["step"] == 5 and acc == pytest.approx(record["test_acc"], abs=0.02)
+    assert loss == pytest.approx(record["test_loss"], abs=0.02, rel=0.02)
+    cpu, _ = run("fsdp_train.py", [*vit, "--device", "cpu"])
+    start, _ = run("fsdp_train.py", [*vit, "--device", "cpu", "--max-steps", "1", "--lr", "1e-12"])
+    reference = torch.load(cpu / "model.pt", map_location="cpu", weights_only=True)
+    initial = torch.load(start / "model.pt", map_location="cpu", weights_only=True)
+    assert_same_training(state, reference, initial, AMP_TOL)
