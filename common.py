@@ -6,10 +6,12 @@ import datetime
 import gc
 import glob
 import importlib
+import itertools
 import json
 import os
 import random
 import re
+import shutil
 import time
 import uuid
 import warnings
@@ -499,6 +501,16 @@ def eval_shard(dataset, rank, world_size):
     return torch.utils.data.Subset(dataset, range(rank, len(dataset), world_size))
 
 
+def pad_batches(loader, image_shape, device):
+    """loader's batches, then empty ones up to as many as any rank has: a sharded model's
+    forward runs collectives, so every rank must run it as often (all ranks participate)."""
+    batches = torch.tensor(len(loader), device=device)
+    if get_world_size() > 1:
+        dist.all_reduce(batches, dist.ReduceOp.MAX)
+    empty = (torch.zeros(0, *image_shape), torch.zeros(0, dtype=torch.long))
+    return itertools.chain(loader, [empty] * (int(batches) - len(loader)))
+
+
 @torch.no_grad()
 def evaluate(model, loader, device, autocast=None):
     """Loss and accuracy over the whole test set, exact at any world size; all ranks
@@ -603,6 +615,52 @@ def load_model_state(model, state_dict, path):
     except RuntimeError as e:
         detail = [ln.strip() for ln in str(e).splitlines() if ln.strip()][1:2] or [first_line(e)]
         fail(f"checkpoint {path} does not fit this model (another --model?): {detail[0]}")
+
+
+# Sharded checkpoints (fsdp_train.py, tensor_parallel.py): a torch.distributed.checkpoint
+# directory of every rank's pieces, plus meta.pt (step, RNG, flags) from rank 0.
+def find_sharded(output_dir):
+    """OUTPUT_DIR's checkpoint, or checkpoint.old (a save that died between its renames)."""
+    found = [Path(output_dir or "", n) for n in ("checkpoint", "checkpoint.old")]
+    return next((p for p in found if output_dir and (p / "meta.pt").is_file()), None)
+
+
+def read_sharded_meta(path):
+    if Path(path).is_file():
+        why = "this script resumes from a directory of torch.distributed.checkpoint"
+        fail(f"{path} is a single-file checkpoint (ddp_train.py's?); {why}")
+    return read_torch_file(Path(path, "meta.pt"))  # "does not exist" for another directory
+
+
+def load_sharded(state, path):
+    """Fill `state` in: every rank reads the parts of the saved pieces that make up its own,
+    whatever the layout that saved them (all ranks participate)."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except dcp.CheckpointException as e:  # every rank gets every rank's failures
+        cause = first_line(next(iter(e.failures.values()))[0])
+        fail(f"cannot read checkpoint {path} (a missing or truncated shard?): {cause}")
+    except Exception as e:  # noqa: BLE001 - a shape or key that does not fit, say
+        fail(f"cannot read checkpoint {path}: {first_line(e)}")
+
+
+def save_sharded(out, state, meta):
+    """Every rank writes its pieces into OUT/checkpoint.tmp, rank 0 adds meta.pt and renames
+    it to checkpoint: a crash mid-save leaves the previous one whole (all ranks participate)."""
+    import torch.distributed.checkpoint as dcp
+
+    tmp, final, old = (Path(out, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.old"))
+    if is_main_process():  # a crashed save's, removed before any rank writes (dcp.save's
+        shutil.rmtree(tmp, ignore_errors=True)  # first step is collective)
+    dcp.save(state, checkpoint_id=tmp)
+    if is_main_process():  # dcp.save returns here once every rank's pieces are written
+        atomic_write(tmp / "meta.pt", lambda path: torch.save(meta, path))
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def check_output_dir(path):

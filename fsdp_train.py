@@ -24,13 +24,10 @@ import argparse
 import functools
 import itertools
 import math
-import shutil
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (
@@ -59,14 +56,17 @@ from common import (
     evaluate,
     fail,
     fast_forward,
-    first_line,
+    find_sharded,
     init_distributed_mode,
     load_datasets,
+    load_sharded,
+    pad_batches,
     peer_failure,
     print0,
-    read_torch_file,
+    read_sharded_meta,
     reduce_value,
     rng_state,
+    save_sharded,
     seed_everything,
     set_rng_state,
     together,
@@ -124,26 +124,10 @@ def get_args(argv=None):
 
 def read_meta(path, args):
     """Rank 0: the checkpoint's step, RNG and flags, after checking that it is one of ours."""
-    path = Path(path)
-    if path.is_file():
-        why = "fsdp_train.py resumes from a checkpoint directory of torch.distributed.checkpoint"
-        fail(f"{path} is a single-file checkpoint (ddp_train.py's?); {why}")
-    meta = read_torch_file(path / "meta.pt")  # "does not exist" for another directory
+    meta = read_sharded_meta(path)
     if meta["args"]["model"] != args.model:
         fail(f"checkpoint {path} holds a --model {meta['args']['model']}, not {args.model}")
     return meta
-
-
-def load_shards(state, path):
-    """dcp.load: every rank reads the pieces of the saved shards that make up its own, at any
-    number of processes (all ranks participate); a missing or truncated file is one line."""
-    try:
-        dcp.load(state, checkpoint_id=path)
-    except dcp.CheckpointException as e:  # every rank gets every rank's failures
-        cause = first_line(next(iter(e.failures.values()))[0])
-        fail(f"cannot read checkpoint {path} (a missing or truncated shard?): {cause}")
-    except Exception as e:  # noqa: BLE001 - a shape or key that does not fit, say
-        fail(f"cannot read checkpoint {path}: {first_line(e)}")
 
 
 def main(argv=None):
@@ -212,15 +196,12 @@ def main(argv=None):
         optimizer = torch.optim.AdamW(model.parameters(), lr, weight_decay=args.weight_decay)
 
         # Resume. Rank 0 finds the checkpoint and checks it; every rank then reads its shards.
-        # "checkpoint.old": a save that died between its two renames (see save below).
         step, meta = 0, None
-        auto = [Path(args.output_dir or "", name) for name in ("checkpoint", "checkpoint.old")]
-        auto = next((p for p in auto if args.output_dir and (p / "meta.pt").is_file()), None)
-        resume = args.resume or auto
+        resume = args.resume or find_sharded(args.output_dir)
         if resume:
             meta = broadcast_object(together(lambda: read_meta(resume, args), run=rank == 0))
             model_sd, optim_sd = get_state_dict(raw_model, optimizer)  # to be filled in
-            together(lambda: load_shards(dict(model=model_sd, optimizer=optim_sd), resume))
+            together(lambda: load_sharded(dict(model=model_sd, optimizer=optim_sd), resume))
             set_state_dict(
                 raw_model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd
             )
@@ -258,11 +239,7 @@ def main(argv=None):
             ranks participate), so a rank with fewer test batches runs empty ones."""
             for buffer in raw_model.buffers() if info.distributed else ():
                 dist.broadcast(buffer, src=0)  # BatchNorm statistics: one model on every rank
-            batches = torch.tensor(len(test_loader), device=device)
-            if info.distributed:
-                dist.all_reduce(batches, dist.ReduceOp.MAX)
-            empty = (torch.zeros(0, *test_set[0][0].shape), torch.zeros(0, dtype=torch.long))
-            padded = itertools.chain(test_loader, [empty] * (int(batches) - len(test_loader)))
+            padded = pad_batches(test_loader, test_set[0][0].shape, device)
             return evaluate(raw_model, padded, device, autocast())
 
         if args.eval_only:
@@ -273,23 +250,12 @@ def main(argv=None):
         if args.compile:
             model = torch.compile(model)
 
-        def save(step):
-            """Every rank writes its shards into checkpoint.tmp, rank 0 adds meta.pt and renames
-            it: a crash mid-save leaves the previous checkpoint whole (all ranks participate)."""
-            tmp, final, old = (out / n for n in ("checkpoint.tmp", "checkpoint", "checkpoint.old"))
-            if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's; before any rank writes
+        def save(step):  # all ranks participate
+            # The RNG is rank 0's: nothing in a step draws random numbers per rank.
+            meta = dict(step=step, steps_per_epoch=steps_per_epoch, rng=rng_state(device))
+            meta.update(global_batch=global_batch, args=vars(args))
             model_state, optim_state = get_state_dict(raw_model, optimizer)
-            dcp.save(dict(model=model_state, optimizer=optim_state), checkpoint_id=tmp)
-            if rank == 0:  # dcp.save returns here once every rank's shards are written
-                # The RNG is rank 0's: nothing in a step draws random numbers per rank.
-                meta = dict(step=step, steps_per_epoch=steps_per_epoch, rng=rng_state(device))
-                meta.update(global_batch=global_batch, args=vars(args))
-                atomic_write(tmp / "meta.pt", functools.partial(torch.save, meta))
-                if final.exists():
-                    final.rename(old)
-                tmp.rename(final)
-                shutil.rmtree(old, ignore_errors=True)
+            save_sharded(out, dict(model=model_state, optimizer=optim_state), meta)
 
         start_epoch = step // steps_per_epoch
         metrics = out / "metrics.jsonl" if out and rank == 0 else None

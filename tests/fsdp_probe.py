@@ -94,7 +94,9 @@ elif mode == "clip":
 
     torch.nn.utils.clip_grad_norm_ = clip
 elif mode == "crash-in-save":
-    real_save = fsdp_train.dcp.save
+    import torch.distributed.checkpoint as dcp
+
+    real_save = dcp.save
 
     def save(*args, **kwargs):
         real_save(*args, **kwargs)
@@ -102,7 +104,7 @@ elif mode == "crash-in-save":
         if seen["saves"] == 2:
             os._exit(9)  # every rank, after its shards and before meta.pt and the renames
 
-    fsdp_train.dcp.save = save
+    dcp.save = save  # what common.save_sharded calls
 
 real_cleanup = fsdp_train.cleanup
 
