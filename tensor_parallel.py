@@ -1,0 +1,380 @@
+"""Tensor parallelism: each transformer block's linear layers split over TP processes, which
+compute one sample together; with --dp D, 2-D parallelism: D such groups sharded by FSDP.
+
+Megatron-LM's cut (Shoeybi et al., 2019): a block's first linear layers are split by output
+columns (each process computes some attention heads, some MLP features), its last by input
+rows; the partial outputs are summed by one all-reduce per pair. Use it when one block's
+weights or activations are too large for one device, inside a node (a collective per block
+needs NVLink-class links); across nodes add --dp, so that only FSDP's traffic leaves a node.
+
+    4 processes, --dp 2:  mesh [[0, 1],    each row a tensor-parallel group (a block split
+                                [2, 3]]    over 2), each column an FSDP group (same pieces)
+
+Launch (--output-dir: one directory for all processes, on several nodes a shared one):
+    python tensor_parallel.py                                     # one process, unsplit
+    torchrun --standalone --nproc_per_node=2 tensor_parallel.py   # TP degree 2
+    torchrun --standalone --nproc_per_node=4 tensor_parallel.py --dp 2   # 2 x 2
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
+        --rdzv-endpoint=HOST:29500 --rdzv-id=myjob tensor_parallel.py --dp 2   # TP 8 a node
+
+Checkpoints as in fsdp_train.py: every process writes its pieces, a rerun resumes at any TP
+and DP degree, model.pt holds the whole model. --batch-size is per data-parallel group (a TP
+group shares each batch); --lr is the peak AdamW rate per 256 samples of global batch.
+"""
+
+import functools
+import itertools
+import math
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.optim.lr_scheduler import LambdaLR
+from torch.utils.data import DataLoader, DistributedSampler
+
+from common import (
+    DATASETS,
+    ArgumentParser,
+    ViT,
+    append_metrics,
+    atomic_write,
+    broadcast_object,
+    check_flags,
+    check_output_dir,
+    cleanup,
+    collate,
+    eval_shard,
+    evaluate,
+    fail,
+    fast_forward,
+    find_sharded,
+    init_distributed_mode,
+    load_datasets,
+    load_sharded,
+    pad_batches,
+    peer_failure,
+    print0,
+    read_sharded_meta,
+    reduce_value,
+    rng_state,
+    save_sharded,
+    seed_everything,
+    set_rng_state,
+    together,
+    trim_metrics,
+)
+
+try:  # DTensor's and FSDP2's public homes since PyTorch 2.6
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+except ImportError:
+    fully_shard = None
+
+
+def get_args(argv=None):
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    add = p.add_argument
+    add("--data", default="fashion-mnist", choices=DATASETS, help="data set")
+    add("--data-dir", default="data", help="root holding the data set (torchvision's layout)")
+    add("--download", action="store_true", help="download the data set if it is missing")
+    add("--dp", type=int, default=1, help="data-parallel degree (FSDP); TP: processes / dp")
+    add("--tp", type=int, help="tensor-parallel degree (default: processes / --dp)")
+    add("--sequence-parallel", action="store_true", help="shard norms and residuals by token")
+    add("--dim", type=int, default=96, help="the ViT's width")
+    add("--heads", type=int, default=4, help="the ViT's attention heads")
+    add("--epochs", type=int, default=5, help="passes over the training set")
+    add("--batch-size", type=int, default=128, help="samples per data-parallel group per step")
+    add("--lr", type=float, default=3e-3, help="peak AdamW rate per 256 samples of global batch")
+    add("--weight-decay", type=float, default=0.05, help="AdamW's decoupled weight decay")
+    add("--warmup", type=float, default=0.1, help="fraction of all steps spent warming up")
+    add("--seed", type=int, default=0, help="seed for the weights and the shuffling")
+    add("--amp", default="none", choices=["none", "bf16"], help="bf16: compute in bf16")
+    add("--clip-grad", type=float, default=0.0, help="max gradient norm; 0: no clipping")
+    add("--resume", help="checkpoint directory (default: OUTPUT_DIR/checkpoint if any)")
+    add("--eval-only", action="store_true", help="only evaluate the model given by --resume")
+    add("--max-steps", type=int, default=0, help="stop after this many steps; 0: no limit")
+    add("--output-dir", help="where checkpoints, model.pt and metrics.jsonl go; none: nothing")
+    add("--export", help="also write the whole trained model to this file")
+    add("--log-every", type=int, default=50, help="steps between progress and NaN checks")
+    add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if any")
+    add("--backend", choices=["gloo", "nccl"], help="default: nccl on CUDA, else gloo")
+    add("--dist-timeout", type=float, default=300, help="seconds before a lost peer ends the job")
+    args = p.parse_args(argv)
+    at_least_1 = ("dp", "tp", "dim", "heads", "epochs", "batch_size", "log_every")
+    not_negative = ("max_steps", "clip_grad")
+    check_flags(args, at_least_1, not_negative, positive=("lr", "dist_timeout"))
+    if not 0 <= args.warmup < 1:
+        fail(f"--warmup is a fraction of the run, in [0, 1); got {args.warmup}")
+    if args.dim % args.heads:
+        fail(f"--dim {args.dim} is not a whole number of --heads {args.heads}")
+    if args.eval_only and not args.resume:
+        fail("--eval-only needs --resume DIR (the checkpoint to evaluate)")
+    return args
+
+
+def move(src, dst):
+    """A module's input, laid out as src over the TP group, redistributed to dst."""
+    return PrepareModuleInput(
+        input_layouts=(src,), desired_input_layouts=(dst,), use_local_output=True
+    )
+
+
+def block_plan(sequence_parallel):
+    """Which of a block's linear layers are split by columns and which by rows. q, k, v and fc1
+    by columns: each process gets whole heads (and MLP features) and computes them from the
+    whole input, alone. proj and fc2 by rows, the inputs their column-split partners left on
+    each process: each gives a partial sum of the output, and one all-reduce per pair adds
+    them (backward: one all-reduce per pair too, of the input's gradient)."""
+    plan = {name: ColwiseParallel() for name in ("attn.q", "attn.k", "attn.v", "mlp.fc1")}
+    if not sequence_parallel:
+        return plan | {"attn.proj": RowwiseParallel(), "mlp.fc2": RowwiseParallel()}
+    # Sequence parallelism: between the pairs, the residual stream and the LayerNorms work on
+    # 1/TP of the tokens, where plain TP has every process hold (and save for backward) all
+    # of them. The all-reduce becomes a reduce-scatter (to each process's tokens) and an
+    # all-gather before the next column-split layers: the same bytes sent.
+    gather = move(Shard(1), Replicate())  # all tokens for attention and the MLP
+    rows = RowwiseParallel(output_layouts=Shard(1))  # outputs: this process's tokens
+    plan |= {"attn.proj": rows, "mlp.fc2": rows, "attn": gather, "mlp": gather}
+    return plan | {"norm1": SequenceParallel(), "norm2": SequenceParallel()}
+
+
+def clip_grad_norm(params, max_norm):
+    """Scale the gradients so that their global norm is at most max_norm. A split weight's
+    gradient is a DTensor whose squares sum over the processes that hold its pieces; the rest
+    are plain (the same on every process of a TP group). clip_grad_norm_ cannot mix them."""
+    grads, squares = [p.grad for p in params if p.grad is not None], {}
+    for g in grads:  # squares summed per device mesh (None: plain tensors), one all-reduce each
+        key = g.device_mesh if isinstance(g, DTensor) else None
+        squares[key] = squares.get(key, 0) + g.float().square().sum()
+    total = sum(s.full_tensor() if isinstance(s, DTensor) else s for s in squares.values())
+    scale = (max_norm / (total.sqrt() + 1e-6)).clamp(max=1)
+    for g in grads:
+        g.mul_(scale)
+    return total.sqrt()
+
+
+def read_meta(path, args):
+    """Rank 0: the checkpoint's step, RNG and flags, after checking that it is one of ours."""
+    saved = (meta := read_sharded_meta(path))["args"]
+    shape = (saved.get("model", "vit"), saved.get("dim", 96), saved.get("heads", 4))
+    if shape != ("vit", args.dim, args.heads):  # fsdp_train.py's ViT checkpoints fit too
+        fail(f"checkpoint {path} holds a {shape[0]} of --dim {shape[1]} --heads {shape[2]}")
+    return meta
+
+
+def main(argv=None):
+    args = get_args(argv)
+    if fully_shard is None:
+        fail(f"tensor_parallel.py needs PyTorch 2.6 or newer (this is {torch.__version__})")
+    # The process group: rank, world size and device from whichever launcher started us.
+    info = init_distributed_mode(
+        backend=args.backend, device=args.device, timeout_s=args.dist_timeout
+    )
+    device, rank, world = info.device, info.rank, info.world_size
+    try:
+        dp, tp = args.dp, args.tp or max(1, world // args.dp)
+        if dp * tp != world:
+            fail(f"--dp {dp} x --tp {tp} makes a mesh of {dp * tp} processes; {world} started")
+        if args.heads % tp:  # then the widths (a multiple of the heads) split evenly too
+            fail(f"TP degree {tp} must divide the {args.heads} heads (and --dim {args.dim})")
+        # The mesh: rank r is (r // tp, r % tp), so a TP group is tp consecutive ranks, the
+        # processes of one node (its collectives run in every block).
+        mesh = None
+        if info.distributed:
+            mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+        dp_rank = mesh["dp"].get_local_rank() if mesh else 0
+        seed_everything(args.seed)  # the same initial weights on every rank
+
+        # Data: a TP group shares each batch; the DP groups take disjoint 1/dp of the samples.
+        train_set, test_set, num_classes, in_channels = load_datasets(
+            args.data, args.data_dir, args.download, None, info.local_rank
+        )
+        if (shard := len(train_set) // dp) < args.batch_size:
+            fail(f"--batch-size {args.batch_size} is larger than one group's shard ({shard})")
+        sampler = DistributedSampler(train_set, dp, dp_rank, seed=args.seed, drop_last=True)
+        pin = dict(collate_fn=collate, pin_memory=device.type == "cuda")
+        train_loader = DataLoader(
+            train_set, args.batch_size, sampler=sampler, drop_last=True, **pin
+        )
+        # Exact evaluation: every test sample once per TP group, none padded in.
+        test_loader = DataLoader(eval_shard(test_set, dp_rank, dp), 2 * args.batch_size, **pin)
+        steps_per_epoch, global_batch = len(train_loader), args.batch_size * dp
+        total_steps = args.epochs * steps_per_epoch
+
+        image_size = train_set[0][0].shape[-1]
+        model = ViT(in_channels, num_classes, image_size, dim=args.dim, heads=args.heads).to(device)
+        if tp > 1:
+            # Each split weight becomes a DTensor that holds 1/tp of it here; the patch
+            # embedding, the norms and the head stay whole on every process.
+            for block in model.blocks:
+                parallelize_module(block, mesh["tp"], block_plan(args.sequence_parallel))
+            if args.sequence_parallel:  # the first block's input cut by token, the last's joined
+                cut, join = move(Replicate(), Shard(1)), move(Shard(1), Replicate())
+                parallelize_module(model, mesh["tp"], {"blocks.0": cut, "norm": join})
+        if dp > 1:
+            # FSDP over the other dimension, as in fsdp_train.py: each block, then the root.
+            # A TP piece is sharded again by rows over the dp processes that hold it.
+            mp = MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.float32)
+            policy = mp if args.amp == "bf16" else MixedPrecisionPolicy()
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh["dp"], mp_policy=policy)
+            fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+        use_autocast = args.amp == "bf16" and dp == 1  # without FSDP, autocast gives bf16
+        autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, use_autocast)
+
+        # Every rank writes its own pieces into the output directory: every rank checks it.
+        out = together(lambda: args.output_dir and check_output_dir(args.output_dir))
+
+        # The optimizer, made after the split: it holds (and steps) this process's pieces.
+        lr = args.lr * global_batch / 256
+        optimizer = torch.optim.AdamW(model.parameters(), lr, weight_decay=args.weight_decay)
+
+        # Resume. Rank 0 finds the checkpoint and checks it; every rank then reads its pieces,
+        # at any TP and DP degree (the checkpoint holds where each piece sits in the whole).
+        step, meta = 0, None
+        resume = args.resume or find_sharded(args.output_dir)
+        if resume:
+            meta = broadcast_object(together(lambda: read_meta(resume, args), run=rank == 0))
+            model_sd, optim_sd = get_state_dict(model, optimizer)  # to be filled in
+            together(lambda: load_sharded(dict(model=model_sd, optimizer=optim_sd), resume))
+            set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        if resume and not args.eval_only:
+            saved = meta["args"]
+            changed = [k for k in ("epochs", "warmup") if saved[k] != getattr(args, k)]
+            if changed:  # the schedule is a function of these: it cannot go on where it was
+                was = ", ".join(f"--{k} {saved[k]}" for k in changed)
+                fail(f"{resume} was trained with {was}; resume with the same, or start anew")
+            for group in optimizer.param_groups:  # this run's settings, the saved moments
+                group.update(lr=lr, initial_lr=lr, weight_decay=args.weight_decay)
+            # The same global batch and seed make the same global batches at any degree:
+            # go on after the last step saved.
+            same = (meta["global_batch"], meta["steps_per_epoch"], saved["seed"])
+            if same == (global_batch, steps_per_epoch, args.seed):
+                step = meta["step"]
+                set_rng_state(meta["rng"], device)
+            else:  # other batches: a half-done epoch starts again, the schedule goes on
+                step = meta["step"] // meta["steps_per_epoch"] * steps_per_epoch
+            epoch, at = divmod(step, steps_per_epoch)
+            print0(f"resumed from {resume} at epoch {epoch}, step {at} of {steps_per_epoch}")
+
+        warmup = max(1, int(args.warmup * total_steps))
+
+        def factor(step):  # linear warm-up to the peak, then cosine decay to zero
+            done = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+            return (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * done))
+
+        scheduler = LambdaLR(optimizer, factor)
+        fast_forward(scheduler, step)  # the rate is a function of the step alone
+
+        @torch.no_grad()
+        def evaluate_all():
+            """Exact evaluation. Each forward runs collectives (all ranks participate), so a
+            rank with fewer test batches runs empty ones. evaluate() sums over all ranks, each
+            TP group's totals tp times: the loss and accuracy, ratios, are exact."""
+            padded = pad_batches(test_loader, test_set[0][0].shape, device)
+            return evaluate(model, padded, device, autocast())
+
+        if args.eval_only:
+            loss, acc = evaluate_all()
+            print0(f"eval {resume}: test_loss {loss:.4f} test_acc {acc:.4f}")
+            return
+
+        def save(step):  # all ranks participate
+            meta = dict(step=step, steps_per_epoch=steps_per_epoch, rng=rng_state(device))
+            meta.update(global_batch=global_batch, args=dict(vars(args), model="vit"))
+            model_state, optim_state = get_state_dict(model, optimizer)
+            save_sharded(out, dict(model=model_state, optimizer=optim_state), meta)
+
+        start_epoch = step // steps_per_epoch
+        metrics = out / "metrics.jsonl" if out and rank == 0 else None
+        if metrics and not (args.max_steps and step >= args.max_steps):
+            trim_metrics(metrics, start_epoch)  # epochs that run again lose their old lines
+        size = f"global batch {global_batch}, peak lr {lr:.3g}, {steps_per_epoch} steps/epoch"
+        print0(f"ViT on {args.data}: {dp} x {tp} (dp x tp) process(es) on {device.type}, {size}")
+        if start_epoch >= args.epochs:
+            print0(f"{resume} already holds all {args.epochs} epochs: nothing to train")
+        for epoch in range(start_epoch, args.epochs):
+            if args.max_steps and step >= args.max_steps:
+                break
+            sampler.set_epoch(epoch)  # without it every epoch repeats epoch 0's order
+            epoch_step = step - epoch * steps_per_epoch
+            steps, done = steps_per_epoch - epoch_step, 0
+            # Sums stay on the device until a log step: .item() would stall a GPU every step.
+            loss_sum, count = torch.zeros(2, device=device, dtype=torch.float64)
+            model.train()
+            t0 = time.perf_counter()
+            # A mid-epoch resume skips the batches done: the order is a function of the epoch.
+            for images, labels in itertools.islice(train_loader, epoch_step, None):
+                images = images.to(device, non_blocking=True)
+                labels = labels.to(device, non_blocking=True)
+                with autocast():
+                    logits = model(images)  # whole on every process of the TP group
+                loss = F.cross_entropy(logits.float(), labels, label_smoothing=0.1)
+                loss.backward()
+                loss_sum += loss.detach() * labels.numel()
+                count += labels.numel()
+                if args.clip_grad > 0:
+                    clip_grad_norm(list(model.parameters()), args.clip_grad)
+                optimizer.step()  # this process's pieces only
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                step, done = step + 1, done + 1
+                last = done == steps or step == args.max_steps
+                if step % args.log_every == 0 or last:
+                    # One all-reduce per log step (all ranks participate); every rank sees
+                    # the same NaN, so all stop before it can replace a good checkpoint.
+                    totals = reduce_value(torch.stack([loss_sum, count]))
+                    train_loss, lr_now = (totals[0] / totals[1]).item(), scheduler.get_last_lr()[0]
+                    if not math.isfinite(train_loss):
+                        fail(f"non-finite loss by step {step}: lower --lr or add --clip-grad")
+                    print0(f"epoch {epoch} step {step}: loss {train_loss:.4f} lr {lr_now:.3g}")
+                if last:
+                    break
+            seconds = time.perf_counter() - t0  # the loss all-reduce above synchronised
+
+            test_loss, test_acc = evaluate_all()
+            speed, lr_now = done * global_batch / seconds, scheduler.get_last_lr()[0]
+            record = dict(epoch=epoch, step=step, train_loss=train_loss, test_loss=test_loss)
+            record.update(test_acc=test_acc, epoch_seconds=seconds, samples_per_second=speed)
+            record.update(lr=lr_now, world_size=world)
+            losses = f"train_loss {train_loss:.4f} test_loss {test_loss:.4f}"
+            print0(f"epoch {epoch}: {losses} test_acc {test_acc:.4f} {seconds:.1f}s")
+            if metrics:  # first: a crash before the checkpoint reruns the epoch, trimmed
+                append_metrics(metrics, record)
+            if out:
+                save(step)  # all ranks participate
+
+        # The whole model in one file that loads without DTensor: the pieces gathered to rank
+        # 0's CPU memory (all ranks participate), written there alone.
+        if out or args.export:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            whole = get_model_state_dict(model, options=options)
+            for path in filter(None, [out and out / "model.pt", args.export]):
+                write = functools.partial(atomic_write, path, functools.partial(torch.save, whole))
+                together(write, run=rank == 0)  # a bad --export path stops every rank
+        if info.distributed:
+            dist.barrier()  # leave together (all ranks participate): rank 0 hosts the store
+    except RuntimeError as e:
+        # A peer that died or hung for --dist-timeout breaks the others' collectives.
+        raise peer_failure(e, info) from None
+    finally:
+        cleanup()  # also on an error: the peers are not left waiting on a dead group
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""tensor_parallel.py: TP 2 (with and without sequence parallelism) and 2-D (2 x 2) against
+one unsplit process on the same global batch, what each rank holds, resume at another
+degree, exact evaluation, the single-file export and bad input. All on CPU with gloo."""
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import (
+    DIST_TIMEOUT,
+    METRIC_KEYS,
+    SYNTHETIC,
+    clean_env,
+    free_port,
+    read_metrics,
+    run_python,
+    run_ranks,
+    torchrun,
+)
+
+import common
+import tensor_parallel
+
+GLOBAL_BATCH = 12  # 1 x 12; TP 2: one group of 12; 2 x 2: two groups of 6
+STEPS = 4
+# AdamW steps that move the weights far beyond the tolerances, with clipping at work
+# (the gradient norms are above 0.5) so that the global norm is checked as well.
+FAST = [*SYNTHETIC, "--warmup", "0", "--lr", "0.5", "--clip-grad", "0.05", *DIST_TIMEOUT]
+
+
+def probe(nproc, reports, *flags, dp=1):
+    """tests/tp_probe.py on nproc processes (one: a plain `python`, unsplit): rank 0's report
+    and the output directory."""
+    out = Path(reports) / "out"
+    argv = ["tests/tp_probe.py", reports, "--", *FAST, "--max-steps", str(STEPS)]
+    argv += ["--batch-size", str(GLOBAL_BATCH // dp), "--dp", str(dp), "--output-dir", out]
+    run_python(argv + list(flags)) if nproc == 1 else torchrun(nproc, argv + list(flags))
+    return torch.load(Path(reports, "rank0.pt"), weights_only=False), out
+
+
+def whole(out):
+    return torch.load(out / "model.pt", map_location="cpu", weights_only=True)
+
+
+def initial():
+    common.seed_everything(0)  # what tensor_parallel.py builds first
+    return common.ViT(1, 10, 28).state_dict()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One unsplit process, batch 12, STEPS steps."""
+    return probe(1, tmp_path_factory.mktemp("tp_reference"))
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    """TP 2 (2 processes, one batch of 12): a checkpoint in two processes' pieces."""
+    tmp = tmp_path_factory.mktemp("tp2")
+    return probe(2, tmp, "--export", tmp / "exported.pt")
+
+
+def assert_same_steps(got, reference, dp=1):
+    """Step by step: rank 0's logits and loss (under 2-D: of its half of the global batch, the
+    even samples) and every parameter's whole gradient; then the weights saved at the end.
+    Gradients and weights as whole tensors: the difference at most 1e-4 of the norm (Adam's
+    division by the root of tiny squared gradients turns rounding into visible steps)."""
+    (seen, out), (ref, ref_out) = got, reference
+    assert len(seen["losses"]) == len(ref["losses"]) == STEPS
+    for step in range(STEPS):
+        logits, labels = ref["logits"][step][::dp], ref["labels"][step][::dp]
+        assert torch.equal(seen["labels"][step], labels), step  # the same samples
+        torch.testing.assert_close(seen["logits"][step], logits, atol=1e-5, rtol=1e-4)
+        loss = F.cross_entropy(logits, labels, label_smoothing=0.1).item()
+        assert seen["losses"][step] == pytest.approx(loss, abs=1e-5), step
+        grads, ref_grads = seen["grads"][step], ref["grads"][step]
+        assert grads.keys() == ref_grads.keys()
+        for name, g in ref_grads.items():
+            assert g.norm() > 0, name  # the test can fail: every tensor has a gradient
+            assert (grads[name] - g).norm() <= 1e-4 * g.norm(), (step, name)
+    assert seen["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+    assert min(ref["norms"]) > 0.5  # above --clip-grad: clipping scaled every step
+    a, b, start = whole(out), whole(ref_out), initial()
+    assert a.keys() == b.keys() == start.keys()
+    for key in b:
+        update = (b[key] - start[key]).norm()
+        assert update > 1e-3, key  # the steps moved every tensor, well beyond the tolerance
+        assert (a[key] - b[key]).norm() < 1e-3 * update, key
+
+
+def test_tp2_takes_the_steps_of_one_process(tp2, reference):
+    assert_same_steps(tp2, reference)
+    seen, out = tp2
+    assert read_metrics(out)[-1].keys() >= METRIC_KEYS | {"step", "world_size"}
+    exported = torch.load(out.parent / "exported.pt", weights_only=True)
+    assert exported.keys() == whole(out).keys()
+    assert all(torch.equal(exported[k], whole(out)[k]) for k in exported)  # --export: the same
+
+
+@pytest.mark.slow
+def test_sequence_parallel_takes_the_steps_of_one_process(tmp_path, reference):
+    assert_same_steps(probe(2, tmp_path, "--sequence-parallel"), reference)
+
+
+@pytest.mark.slow
+def test_2d_takes_the_steps_of_one_process(tmp_path, reference):
+    assert_same_steps(probe(4, tmp_path, dp=2), reference, dp=2)
+
+
+def split(name):
+    """How TP splits a block's parameter: the dimension cut, or None (whole)."""
+    columns = ("attn.q.", "attn.k.", "attn.v.", "mlp.fc1.")
+    if name.startswith("blocks.") and any(c in name for c in columns):
+        return 0  # output features: the weight's rows and the bias
+    if name.startswith("blocks.") and name.endswith(("attn.proj.weight", "mlp.fc2.weight")):
+        return 1  # input features
+    return None
+
+
+def test_each_rank_holds_its_part_of_every_split_weight(tp2):
+    """TP 2: each rank holds half of every split weight (and of its AdamW state), the rest
+    whole: 9 of the 17 tensors of each block are split (the row-split layers' biases are not)."""
+    seen, _ = tp2
+    assert len(seen["shapes"]) == len(initial())
+    halves = 0
+    for name, full, local, state in seen["shapes"]:
+        expected = list(full)
+        if split(name) is not None:
+            expected[split(name)] //= 2
+            halves += 1
+        assert local == expected and state == [local, local], name
+    assert halves == 9 * len(common.ViT(1, 10, 28).blocks)
+
+
+@pytest.mark.slow
+def test_2d_holds_a_quarter_of_a_split_weight_and_half_of_the_rest(tmp_path):
+    """2 x 2: FSDP cuts each rank's TP piece again, by rows, over the two data-parallel
+    groups; every other tensor by rows in two."""
+    seen, _ = probe(4, tmp_path, "--max-steps", "1", dp=2)
+    for name, full, local, state in seen["shapes"]:
+        expected = list(full)
+        if split(name) is not None:
+            expected[split(name)] //= 2
+        expected[0] = -(-expected[0] // 2)  # rank 0: the first of two rows' chunks
+        assert local == expected and state == [local, local], name
+
+
+@pytest.mark.slow
+def test_resume_at_another_degree_ends_where_one_run_ends(tmp_path, reference):
+    """TP 2 stops after 2 of 4 steps; 2 x 2 goes on from its pieces, mid-epoch, and ends with
+    the weights of the uninterrupted single process."""
+    out = tmp_path / "run"
+    argv = ["tensor_parallel.py", *FAST, "--output-dir", out, "--max-steps", str(STEPS)]
+    torchrun(2, [*argv, "--batch-size", "12", "--max-steps", "2"])
+    proc = torchrun(4, [*argv, "--batch-size", "6", "--dp", "2"])
+    assert "at epoch 0, step 2 of" in proc.stdout, proc.stdout
+    a, b = whole(out), whole(reference[1])
+    for key, start in initial().items():
+        assert (a[key] - b[key]).norm() < 1e-3 * (b[key] - start).norm(), key
+
+
+def eval_only(nproc, checkpoint, *flags):
+    # Test batches of 2 x 83: under --dp 3 the groups hold 167, 166 and 166 of the 499 test
+    # samples, in 2, 1 and 1 batches: the groups with fewer run an empty one.
+    argv = ["tensor_parallel.py", *SYNTHETIC, "--batch-size", "83", *flags]
+    argv += ["--eval-only", "--resume", checkpoint]
+    proc = run_python(argv) if nproc == 1 else torchrun(nproc, argv)
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("eval ")]
+    loss, acc = line.split("test_loss ")[1].split(" test_acc ")
+    return float(loss), float(acc.split()[0])
+
+
+@pytest.mark.slow
+def test_evaluation_is_exact_at_every_degree_and_the_export_loads_alone(tp2):
+    _, out = tp2
+    model = common.ViT(1, 10, 28)
+    model.load_state_dict(whole(out))
+    _, test_set, _, _ = common.load_datasets("synthetic", "data")
+    loader = torch.utils.data.DataLoader(test_set, 256, collate_fn=common.collate)
+    loss, acc = common.evaluate(model, loader, torch.device("cpu"))
+    assert read_metrics(out)[-1]["test_acc"] == acc
+    assert read_metrics(out)[-1]["test_loss"] == pytest.approx(loss, abs=1e-6)
+    expected = pytest.approx((round(loss, 4), round(acc, 4)), abs=1.1e-4)
+    for nproc, flags in [(1, []), (2, ["--sequence-parallel"]), (3, ["--dp", "3"])]:
+        assert eval_only(nproc, out / "checkpoint", *flags) == expected, (nproc, flags)
+    assert eval_only(4, out / "checkpoint", "--dp", "2") == expected
+
+
+def ranks(argv, world=2):
+    """tensor_parallel.py as `world` plain processes with launcher variables: each one's
+    error line; each must stop with one line, within seconds."""
+    port = free_port()
+    envs = [
+        clean_env(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r))
+        | dict(LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        for r in range(world)
+    ]
+    start = time.monotonic()
+    procs = run_ranks(["tensor_parallel.py", *argv], envs, timeout=120, check=False)
+    assert time.monotonic() - start < 60  # well below --dist-timeout
+    errors = []
+    for p in procs:
+        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+        assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+        assert lines[-1].startswith("error: ") and sum("error:" in ln for ln in lines) == 1
+        errors.append(lines[-1])
+    return errors
+
+
+@pytest.mark.parametrize(
+    "flags, world, expected",
+    [
+        (["--heads", "3"], 2, "TP degree 2 must divide the 3 heads"),
+        (["--tp", "2"], 3, "--dp 1 x --tp 2 makes a mesh of 2 processes; 3 started"),
+        (["--dp", "2"], 3, "--dp 2 x --tp 1 makes a mesh of 2 processes; 3 started"),
+    ],
+)
+@pytest.mark.slow
+def test_impossible_mesh_is_one_line_on_every_rank(flags, world, expected):
+    errors = ranks([*FAST, *flags, "--dist-timeout", "100"], world)
+    assert all(expected in e for e in errors), errors
+
+
+@pytest.mark.parametrize("case", ["ddp-file", "other-shape", "missing-piece"])
+@pytest.mark.slow
+def test_bad_checkpoint_is_one_line_on_every_rank(tmp_path, tp2, case):
+    bad = tmp_path / "checkpoint"
+    shutil.copytree(tp2[1] / "checkpoint", bad)
+    flags = []
+    if case == "ddp-file":
+        bad = tmp_path / "checkpoint.pt"
+        torch.save(dict(model=initial()), bad)
+    elif case == "other-shape":
+        flags = ["--dim", "64"]
+    else:
+        (bad / "__1_0.distcp").unlink()  # rank 1's: rank 0 could read its own part
+    out = tmp_path / "out"
+    argv = [*FAST, *flags, "--resume", bad, "--output-dir", out, "--batch-size", "12"]
+    errors = ranks([*argv, "--dist-timeout", "100"])
+    expected = {
+        "ddp-file": "is a single-file checkpoint",
+        "other-shape": "holds a vit of --dim 96 --heads 4",
+        "missing-piece": "cannot read checkpoint",
+    }[case]
+    assert expected in errors[0] and len(set(errors)) == 1, errors
+    assert not out.exists() or not any(out.iterdir())  # nothing written
+
+
+def test_refusals(no_launcher):
+    with pytest.raises(SystemExit, match="--dim 96 is not a whole number of --heads 5"):
+        tensor_parallel.get_args(["--heads", "5"])
+    with pytest.raises(SystemExit, match="--dp must be at least 1"):
+        tensor_parallel.get_args(["--dp", "0"])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tensor_parallel, "fully_shard", None)
+        with pytest.raises(SystemExit, match="needs PyTorch 2.6 or newer"):
+            tensor_parallel.main([*SYNTHETIC])
+
+
+@pytest.mark.slow
+def test_an_fsdp_checkpoint_of_the_vit_evaluates_the_same_under_tensor_parallelism(tmp_path):
+    """fsdp_train.py's ViT shards (2 processes) read by TP 2: the same keys, other pieces."""
+    out = tmp_path / "fsdp"
+    argv = [*SYNTHETIC, "--batch-size", "83", "--max-steps", "2", "--output-dir", out]
+    torchrun(2, ["fsdp_train.py", *argv])
+    last = read_metrics(out)[-1]
+    expected = pytest.approx((last["test_loss"], last["test_acc"]), abs=1.1e-4)
+    assert eval_only(2, out / "checkpoint") == expected
