@@ -1,6 +1,7 @@
-"""What each rank holds, and the step time, for DDP, DDP with ZeRO and FSDP, side by side.
+"""What each rank holds, and the step time, for DDP, DDP with ZeRO, FSDP and tensor
+parallelism (alone and 2-D with FSDP), side by side.
 
-    python benchmarks/sharding.py                      # 1, 2 and 3 processes; prints a table
+    python benchmarks/sharding.py                      # 1 to 4 processes; prints a table
     python benchmarks/sharding.py --worlds 2 --models vit --steps 3
 
 For each number of processes, one torchrun launch trains every model under every wrapper
@@ -8,15 +9,20 @@ in turn, in the same processes, at the same global batch (--global-batch, split 
 ranks), on random tensors of Fashion-MNIST's shape: the bytes and the step time do not depend
 on the pixels. The wrappers are ddp_train.py's DDP, ddp_comm.py's --zero (DDP with
 ZeroRedundancyOptimizer: the optimizer state sharded) and fsdp_train.py's fully_shard per
-block and then on the root, with and without resharding after forward; the optimizer is
-AdamW everywhere (two moments per weight). The bytes are counted from the tensors each rank
-holds: its parameters (the local shards of DTensors), its gradients after backward, its
-optimizer state, and its parameters between forward and backward, where FSDP without
-resharding still holds every block's gathered weights. Step time is the median over --steps
-steps after one warm-up step; with more processes than cores they share the CPU.
+block and then on the root, with and without resharding after forward, and, for the ViT,
+tensor_parallel.py's plan over all processes (with and without --sequence-parallel) and, at 4
+processes, 2 x 2 (TP 2 inside, FSDP across). DDP and FSDP split the global batch over the
+ranks; a TP group shares its batch. The optimizer is AdamW everywhere (two moments per
+weight). The bytes are counted from the tensors each rank holds: its parameters (the local
+pieces of DTensors), its gradients after backward, its optimizer state, its parameters
+between forward and backward (where FSDP without resharding still holds every block's
+gathered weights), and the activations autograd saved for backward (weights not counted).
+Step time is the median over --steps steps after one warm-up step; with more processes than
+cores they share the CPU.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -33,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from common import build_model, cleanup, init_distributed_mode  # noqa: E402
 
-WRAPPERS = ("ddp", "ddp+zero", "fsdp", "fsdp no reshard")
+WRAPPERS = ("ddp", "ddp+zero", "fsdp", "fsdp no reshard", "tp", "tp+sp", "2-d")
 
 
 def local_bytes(tensors):
@@ -42,7 +48,51 @@ def local_bytes(tensors):
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def measure(name, wrapper, per_rank, steps, info):
+def saved_bytes(held):
+    """Hooks that add up the bytes of the activations autograd saves for backward into
+    held["activations"] (a storage once; weights, leaves that require grad, not at all)."""
+    storages = held.setdefault("storages", {})
+
+    def pack(t):
+        if not (t.is_leaf and t.requires_grad):
+            s = getattr(t, "_local_tensor", t).untyped_storage()  # a DTensor's piece
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+def tensor_parallel(model, wrapper, info):
+    """tensor_parallel.py's plan on the ViT: "tp" over all processes, "2-d" 2 x TP world/2."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from tensor_parallel import block_plan, move
+
+    dp = 2 if wrapper == "2-d" else 1
+    mesh = init_device_mesh("cpu", (dp, info.world_size // dp), mesh_dim_names=("dp", "tp"))
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], block_plan(wrapper == "tp+sp"))
+    if wrapper == "tp+sp":
+        ends = {"blocks.0": move(Replicate(), Shard(1)), "norm": move(Shard(1), Replicate())}
+        parallelize_module(model, mesh["tp"], ends)
+    if dp > 1:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    return dp
+
+
+def applies(name, wrapper, world):
+    """Which (model, wrapper) pairs this world size can run: TP splits the ViT's 4 heads."""
+    if wrapper in ("tp", "tp+sp"):
+        return name == "vit" and world in (2, 4)
+    return wrapper != "2-d" or (name == "vit" and world == 4)
+
+
+def measure(name, wrapper, global_batch, steps, info):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -50,6 +100,9 @@ def measure(name, wrapper, per_rank, steps, info):
     torch.manual_seed(0)
     model = build_model(name, 1, 10, image_size=28)
     net, adamw = model, dict(lr=1e-3, weight_decay=0.05)
+    per_rank = global_batch // info.world_size
+    if wrapper in ("tp", "tp+sp", "2-d"):
+        per_rank = global_batch // tensor_parallel(model, wrapper, info)
     if wrapper.startswith("ddp") and info.distributed:
         net = DDP(model, gradient_as_bucket_view=True)  # .grad views DDP's buckets
     if wrapper.startswith("fsdp") and info.distributed:
@@ -66,9 +119,11 @@ def measure(name, wrapper, per_rank, steps, info):
     seconds, held = [], {}
     for step in range(steps + 1):
         start = time.perf_counter()
-        loss = F.cross_entropy(net(images), labels)
+        with saved_bytes(held) if step == 0 else contextlib.nullcontext():
+            loss = F.cross_entropy(net(images), labels)
         if step == 0:
             held["params in forward"] = local_bytes(model.parameters())
+            held["activations"] = sum(held.pop("storages").values())
         loss.backward()
         if step == 0:
             held["grads"] = local_bytes(p.grad for p in model.parameters())
@@ -87,10 +142,8 @@ def worker(args):
     info = init_distributed_mode(device="cpu", timeout_s=300)
     try:
         for name in args.models:
-            for wrapper in WRAPPERS:
-                result = measure(
-                    name, wrapper, args.global_batch // info.world_size, args.steps, info
-                )
+            for wrapper in (w for w in WRAPPERS if applies(name, w, info.world_size)):
+                result = measure(name, wrapper, args.global_batch, args.steps, info)
                 if info.rank == 0:
                     print(
                         json.dumps(
@@ -104,7 +157,7 @@ def worker(args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 3], help="process counts")
+    p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 3, 4], help="process counts")
     p.add_argument("--models", nargs="+", default=["vit", "resnet18"], help="networks")
     p.add_argument("--global-batch", type=int, default=48, help="samples per step, all ranks")
     p.add_argument("--steps", type=int, default=5, help="timed steps per model and wrapper")
@@ -122,9 +175,9 @@ def main():
     mb = lambda b: f"{b / 2**20:.3f}"  # noqa: E731
     print(
         "| model | processes | wrapper | params MB | in forward MB | grads MB | optimizer MB |"
-        " ms/step | vs DDP |"
+        " activations MB | ms/step | vs DDP |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ddp = next(
             d
@@ -132,7 +185,8 @@ def main():
             if (d["model"], d["world"], d["wrapper"]) == (r["model"], r["world"], "ddp")
         )
         cells = [r["model"], r["world"], r["wrapper"], mb(r["params"]), mb(r["params in forward"])]
-        cells += [mb(r["grads"]), mb(r["optimizer"]), f"{r['ms_per_step']:.0f}"]
+        cells += [mb(r["grads"]), mb(r["optimizer"]), mb(r["activations"])]
+        cells.append(f"{r['ms_per_step']:.0f}")
         cells.append(f"{r['ms_per_step'] / ddp['ms_per_step']:.2f}x")
         print("| " + " | ".join(map(str, cells)) + " |")
 

@@ -13,6 +13,8 @@ import math
 import pytest
 from conftest import ROOT, SYNTHETIC, read_metrics, run_python
 
+import common
+
 spec = importlib.util.spec_from_file_location("run_all", ROOT / "benchmarks" / "run_all.py")
 run_all = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(run_all)
@@ -97,3 +99,28 @@ def test_sharding_benchmark_counts_what_each_rank_holds():
     assert zero[:3] == ddp[:3] and ddp[0] < zero[3] < ddp[3]
     assert fsdp[:3] == [close(ddp[0] / 2)] * 3 and fsdp[3] == close(ddp[0])
     assert keep[0] == fsdp[0] and keep[1] == ddp[0]  # every block gathered until backward
+
+
+@pytest.mark.slow
+def test_sharding_benchmark_counts_what_tensor_parallel_ranks_hold():
+    argv = ["benchmarks/sharding.py", "--worlds", "2", "--models", "vit", "--steps", "1"]
+    proc = run_python(argv)
+    rows = {}
+    for line in proc.stdout.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[2]] = [float(c) for c in cells[3:8]]  # ... optimizer, activations
+    ddp, tp, sp = rows["ddp"], rows["tp"], rows["tp+sp"]
+    # TP 2 halves the 9 split tensors of each block and keeps the rest whole.
+    vit = common.ViT(1, 10, 28)
+    columns = ("attn.q.", "attn.k.", "attn.v.", "mlp.fc1.")
+    rows_split = ("attn.proj.weight", "mlp.fc2.weight")
+    split = sum(
+        p.numel()
+        for n, p in vit.named_parameters()
+        if n.startswith("blocks.") and (any(c in n for c in columns) or n.endswith(rows_split))
+    )
+    mb = (sum(p.numel() for p in vit.parameters()) - split / 2) * 4 / 2**20
+    close = lambda x: pytest.approx(x, abs=0.002)  # noqa: E731 - printed to 0.001 MB
+    assert tp[:3] == sp[:3] == [close(mb)] * 3 and tp[3] == close(2 * mb) and mb < ddp[0]
+    # Sequence parallelism keeps 1/2 of the tokens between the split pairs: fewer saved.
+    assert 0 < sp[4] < tp[4]

@@ -615,3 +615,32 @@ def test_fsdp_bf16_and_cpu_offload(run):
     reference = torch.load(cpu / "model.pt", map_location="cpu", weights_only=True)
     initial = torch.load(start / "model.pt", map_location="cpu", weights_only=True)
     assert_same_training(state, reference, initial, AMP_TOL)
+
+
+# ----------------------------------------------------------------------------------------
+# tensor_parallel.py
+
+
+def test_tensor_parallel_bf16_sequence_parallel(run):
+    """tensor_parallel.py under torchrun on the device: TP over 2 GPUs (1 where there is one)
+    with --sequence-parallel and autocast bf16; its model.pt loads on the CPU, evaluates there
+    to what the run measured, and is the CPU fp32 run's within bf16's rounding."""
+    vit = [*DIST_TIMEOUT, "--data", "synthetic", "--batch-size", "32"]
+    vit += ["--max-steps", "5", "--warmup", "0", "--lr", "0.05"]
+    tp = min(GPUS, 2)
+    flags = [*vit, "--device", DEVICE, "--amp", "bf16", "--sequence-parallel"]
+    out, proc = run("tensor_parallel.py", flags, nproc=tp)
+    assert f"1 x {tp} (dp x tp) process(es) on {DEVICE}" in proc.stdout, proc.stdout[-2000:]
+    state = torch.load(out / "model.pt", map_location="cpu", weights_only=True)
+    model = common.ViT(1, 10, 28)
+    model.load_state_dict(state)
+    loss, acc = common.evaluate(model, synthetic_test_loader(), torch.device("cpu"))
+    record = read_metrics(out)[-1]
+    assert record["step"] == 5 and acc == pytest.approx(record["test_acc"], abs=0.02)
+    assert loss == pytest.approx(record["test_loss"], abs=0.02, rel=0.02)
+    cpu, _ = run("tensor_parallel.py", [*vit, "--device", "cpu"])
+    flags = [*vit, "--device", "cpu", "--max-steps", "1", "--lr", "1e-12"]
+    start, _ = run("tensor_parallel.py", flags)
+    reference = torch.load(cpu / "model.pt", map_location="cpu", weights_only=True)
+    initial = torch.load(start / "model.pt", map_location="cpu", weights_only=True)
+    assert_same_training(state, reference, initial, AMP_TOL)
