@@ -50,11 +50,13 @@ def local_bytes(tensors):
 
 def saved_bytes(held):
     """Hooks that add up the bytes of the activations autograd saves for backward into
-    held["activations"] (a storage once; weights, leaves that require grad, not at all)."""
+    held["activations"]: a storage once, and no weights (leaves that require grad, or views
+    of them, as the transposed weight a linear layer saves)."""
     storages = held.setdefault("storages", {})
 
     def pack(t):
-        if not (t.is_leaf and t.requires_grad):
+        base = t if t._base is None else t._base
+        if not (base.is_leaf and base.requires_grad):
             s = getattr(t, "_local_tensor", t).untyped_storage()  # a DTensor's piece
             storages[s.data_ptr()] = s.nbytes()
         return t

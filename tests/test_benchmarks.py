@@ -35,6 +35,7 @@ def replace(flags, name, value):
     return out
 
 
+@pytest.mark.slow
 def test_gpu_recipe_trains_on_cpu(tmp_path):
     flags = run_all.GPU_RECIPE
     assert {"--model", "--amp", "--augment", "--channels-last", "--batch-size"} <= set(flags)
@@ -122,5 +123,6 @@ def test_sharding_benchmark_counts_what_tensor_parallel_ranks_hold():
     mb = (sum(p.numel() for p in vit.parameters()) - split / 2) * 4 / 2**20
     close = lambda x: pytest.approx(x, abs=0.002)  # noqa: E731 - printed to 0.001 MB
     assert tp[:3] == sp[:3] == [close(mb)] * 3 and tp[3] == close(2 * mb) and mb < ddp[0]
-    # Sequence parallelism keeps 1/2 of the tokens between the split pairs: fewer saved.
-    assert 0 < sp[4] < tp[4]
+    # A TP rank saves less for backward than one process on the whole batch (DDP's ranks hold
+    # half of it); sequence parallelism, keeping half of the tokens between the pairs, less.
+    assert 0 < sp[4] < tp[4] < 2 * ddp[4]

@@ -89,6 +89,7 @@ def sharded(tmp_path_factory):
     return train(tmp, "vit", 2, "vit", "--export", tmp / "exported.pt")
 
 
+@pytest.mark.slow
 def test_two_processes_train_the_vit_as_one_does(sharded, references):
     assert read_metrics(sharded)[-1].keys() >= METRIC_KEYS | {"step", "world_size"}
     assert read_metrics(sharded)[-1]["world_size"] == 2
@@ -236,6 +237,7 @@ def ranks(argv, world=2, timeout=120):
     return errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["ddp-file", "other-model", "missing-shard", "truncated-shard"])
 def test_bad_checkpoint_is_one_line_on_every_rank(tmp_path, sharded, case):
     bad = tmp_path / "checkpoint"

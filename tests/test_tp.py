@@ -91,6 +91,7 @@ def assert_same_steps(got, reference, dp=1):
         assert (a[key] - b[key]).norm() < 1e-3 * update, key
 
 
+@pytest.mark.slow
 def test_tp2_takes_the_steps_of_one_process(tp2, reference):
     assert_same_steps(tp2, reference)
     seen, out = tp2
@@ -120,6 +121,7 @@ def split(name):
     return None
 
 
+@pytest.mark.slow
 def test_each_rank_holds_its_part_of_every_split_weight(tp2):
     """TP 2: each rank holds half of every split weight (and of its AdamW state), the rest
     whole: 9 of the 17 tensors of each block are split (the row-split layers' biases are not)."""
