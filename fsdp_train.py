@@ -197,7 +197,7 @@ def main(argv=None):
 
         # Resume. Rank 0 finds the checkpoint and checks it; every rank then reads its shards.
         step, meta = 0, None
-        resume = args.resume or find_sharded(args.output_dir)
+        resume = broadcast_object(args.resume or find_sharded(args.output_dir))
         if resume:
             meta = broadcast_object(together(lambda: read_meta(resume, args), run=rank == 0))
             model_sd, optim_sd = get_state_dict(raw_model, optimizer)  # to be filled in

@@ -2,10 +2,10 @@
 compute one sample together; with --dp D, 2-D parallelism: D such groups sharded by FSDP.
 
 Megatron-LM's cut (Shoeybi et al., 2019): a block's first linear layers are split by output
-columns (each process computes some attention heads, some MLP features), its last by input
-rows; the partial outputs are summed by one all-reduce per pair. Use it when one block's
-weights or activations are too large for one device, inside a node (a collective per block
-needs NVLink-class links); across nodes add --dp, so that only FSDP's traffic leaves a node.
+features (each process computes some attention heads, some MLP features), its last by input
+features; the partial outputs are summed by one all-reduce per pair. Use it when one block's
+weights or activations are too large for one device, inside a node (collectives in every
+block need NVLink-class links); across nodes add --dp, so only FSDP's traffic leaves a node.
 
     4 processes, --dp 2:  mesh [[0, 1],    each row a tensor-parallel group (a block split
                                 [2, 3]]    over 2), each column an FSDP group (same pieces)
@@ -18,8 +18,8 @@ Launch (--output-dir: one directory for all processes, on several nodes a shared
         --rdzv-id=myjob tensor_parallel.py --dp 2 --heads 8   # on each node; TP 8 inside it
 
 Checkpoints as in fsdp_train.py: every process writes its pieces, a rerun resumes at any TP
-and DP degree, model.pt holds the whole model. --batch-size is per data-parallel group (a TP
-group shares each batch); --lr is the peak AdamW rate per 256 samples of global batch.
+and DP degree, model.pt holds the whole model. --batch-size is per TP group (its processes
+share each batch); --lr is the peak AdamW rate per 256 samples of global batch.
 """
 
 import functools
@@ -94,11 +94,11 @@ def get_args(argv=None):
     add("--download", action="store_true", help="download the data set if it is missing")
     add("--dp", type=int, default=1, help="data-parallel degree (FSDP); TP: processes / dp")
     add("--tp", type=int, help="tensor-parallel degree (default: processes / --dp)")
-    add("--sequence-parallel", action="store_true", help="shard norms and residuals by token")
+    add("--sequence-parallel", action="store_true", help="norms, residuals by token (TP > 1)")
     add("--dim", type=int, default=96, help="the ViT's width")
     add("--heads", type=int, default=4, help="the ViT's attention heads")
     add("--epochs", type=int, default=5, help="passes over the training set")
-    add("--batch-size", type=int, default=128, help="samples per data-parallel group per step")
+    add("--batch-size", type=int, default=128, help="samples per TP group per step")
     add("--lr", type=float, default=3e-3, help="peak AdamW rate per 256 samples of global batch")
     add("--weight-decay", type=float, default=0.05, help="AdamW's decoupled weight decay")
     add("--warmup", type=float, default=0.1, help="fraction of all steps spent warming up")
@@ -127,36 +127,37 @@ def get_args(argv=None):
     return args
 
 
-def move(src, dst):
-    """A module's input, laid out as src over the TP group, redistributed to dst."""
+def move(src, dst, local=True):
+    """A module's input, laid out as src (Shard(1): by token), moved to dst; plain if local."""
     return PrepareModuleInput(
-        input_layouts=(src,), desired_input_layouts=(dst,), use_local_output=True
+        input_layouts=(src,), desired_input_layouts=(dst,), use_local_output=local
     )
 
 
 def block_plan(sequence_parallel):
-    """Which of a block's linear layers are split by columns and which by rows. q, k, v and fc1
-    by columns: each process gets whole heads (and MLP features) and computes them from the
-    whole input, alone. proj and fc2 by rows, the inputs their column-split partners left on
-    each process: each gives a partial sum of the output, and one all-reduce per pair adds
-    them (backward: one all-reduce per pair too, of the input's gradient)."""
+    """Which of a block's linear layers are split by output features (Megatron's "columns")
+    and which by input features ("rows"). q, k, v, fc1 by columns: each process computes whole
+    heads (MLP features) from the whole input, alone; proj, fc2 by rows: each turns those into
+    a partial sum of the output, and one all-reduce per pair adds them. In backward, one per
+    pair adds the input's gradient, as q, k and v share one input DTensor (not a copy each)."""
+    tokens = Shard(1) if sequence_parallel else Replicate()  # the input, as it arrives
+    gather = move(tokens, Replicate(), local=False)  # every token, for attention and the MLP
     plan = {name: ColwiseParallel() for name in ("attn.q", "attn.k", "attn.v", "mlp.fc1")}
+    plan |= {"attn": gather, "mlp": gather}
     if not sequence_parallel:
         return plan | {"attn.proj": RowwiseParallel(), "mlp.fc2": RowwiseParallel()}
-    # Sequence parallelism: between the pairs, the residual stream and the LayerNorms work on
-    # 1/TP of the tokens, where plain TP has every process hold (and save for backward) all
-    # of them. The all-reduce becomes a reduce-scatter (to each process's tokens) and an
-    # all-gather before the next column-split layers: the same bytes sent.
-    gather = move(Shard(1), Replicate())  # all tokens for attention and the MLP
+    # Sequence parallelism: between the pairs, the residual stream and the norms hold (and save
+    # for backward) 1/TP of the tokens, not all. Each all-reduce becomes a reduce-scatter (to
+    # each process's tokens) and an all-gather before the next column-split layers.
     rows = RowwiseParallel(output_layouts=Shard(1))  # outputs: this process's tokens
-    plan |= {"attn.proj": rows, "mlp.fc2": rows, "attn": gather, "mlp": gather}
+    plan |= {"attn.proj": rows, "mlp.fc2": rows}
     return plan | {"norm1": SequenceParallel(), "norm2": SequenceParallel()}
 
 
 def clip_grad_norm(params, max_norm):
-    """Scale the gradients so that their global norm is at most max_norm. A split weight's
-    gradient is a DTensor whose squares sum over the processes that hold its pieces; the rest
-    are plain (the same on every process of a TP group). clip_grad_norm_ cannot mix them."""
+    """Scale the gradients to a global norm of at most max_norm. clip_grad_norm_ cannot mix
+    what they are here: DTensors whose squares sum over the processes holding their pieces, on
+    one mesh or two, and plain tensors (the same on every process of a TP group)."""
     grads, squares = [p.grad for p in params if p.grad is not None], {}
     for g in grads:  # squares summed per device mesh (None: plain tensors), one all-reduce each
         key = g.device_mesh if isinstance(g, DTensor) else None
@@ -192,15 +193,14 @@ def main(argv=None):
             fail(f"--dp {dp} x --tp {tp} makes a mesh of {dp * tp} processes; {world} started")
         if args.heads % tp:  # then the widths (a multiple of the heads) split evenly too
             fail(f"TP degree {tp} must divide the {args.heads} heads (and --dim {args.dim})")
-        # The mesh: rank r is (r // tp, r % tp), so a TP group is tp consecutive ranks, the
-        # processes of one node (its collectives run in every block).
+        # The mesh: TP groups of tp consecutive ranks, one node's if tp divides its processes.
         mesh = None
         if info.distributed:
             mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
         dp_rank = mesh["dp"].get_local_rank() if mesh else 0
         seed_everything(args.seed)  # the same initial weights on every rank
 
-        # Data: a TP group shares each batch; the DP groups take disjoint 1/dp of the samples.
+        # Data: a TP group shares each batch; the dp rows of the mesh take disjoint 1/dp.
         train_set, test_set, num_classes, in_channels = load_datasets(
             args.data, args.data_dir, args.download, None, info.local_rank
         )
@@ -211,7 +211,7 @@ def main(argv=None):
         train_loader = DataLoader(
             train_set, args.batch_size, sampler=sampler, drop_last=True, **pin
         )
-        # Exact evaluation: every test sample once per TP group, none padded in.
+        # Exact evaluation: each TP group 1/dp of the test set, none padded in.
         test_loader = DataLoader(eval_shard(test_set, dp_rank, dp), 2 * args.batch_size, **pin)
         steps_per_epoch, global_batch = len(train_loader), args.batch_size * dp
         total_steps = args.epochs * steps_per_epoch
@@ -224,11 +224,13 @@ def main(argv=None):
             for block in model.blocks:
                 parallelize_module(block, mesh["tp"], block_plan(args.sequence_parallel))
             if args.sequence_parallel:  # the first block's input cut by token, the last's joined
+                if (tokens := model.pos.shape[1]) % tp:  # from_local assumes even pieces
+                    fail(f"--sequence-parallel: TP degree {tp} must divide the {tokens} tokens")
                 cut, join = move(Replicate(), Shard(1)), move(Shard(1), Replicate())
                 parallelize_module(model, mesh["tp"], {"blocks.0": cut, "norm": join})
         if dp > 1:
             # FSDP over the other dimension, as in fsdp_train.py: each block, then the root.
-            # A TP piece is sharded again by rows over the dp processes that hold it.
+            # After TP: each TP piece is sharded again by rows over the dp processes with it.
             mp = MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.float32)
             policy = mp if args.amp == "bf16" else MixedPrecisionPolicy()
             for block in model.blocks:
@@ -244,10 +246,9 @@ def main(argv=None):
         lr = args.lr * global_batch / 256
         optimizer = torch.optim.AdamW(model.parameters(), lr, weight_decay=args.weight_decay)
 
-        # Resume. Rank 0 finds the checkpoint and checks it; every rank then reads its pieces,
-        # at any TP and DP degree (the checkpoint holds where each piece sits in the whole).
+        # Resume: rank 0 finds and checks the checkpoint; every rank reads its pieces (any degree).
         step, meta = 0, None
-        resume = args.resume or find_sharded(args.output_dir)
+        resume = broadcast_object(args.resume or find_sharded(args.output_dir))
         if resume:
             meta = broadcast_object(together(lambda: read_meta(resume, args), run=rank == 0))
             model_sd, optim_sd = get_state_dict(model, optimizer)  # to be filled in
@@ -283,9 +284,8 @@ def main(argv=None):
 
         @torch.no_grad()
         def evaluate_all():
-            """Exact evaluation. Each forward runs collectives (all ranks participate), so a
-            rank with fewer test batches runs empty ones. evaluate() sums over all ranks, each
-            TP group's totals tp times: the loss and accuracy, ratios, are exact."""
+            """Exact: a rank with fewer test batches runs empty ones (forward is collective);
+            evaluate() sums each TP group's totals tp times, so the ratios are exact."""
             padded = pad_batches(test_loader, test_set[0][0].shape, device)
             return evaluate(model, padded, device, autocast())
 

@@ -56,9 +56,10 @@ def test_defaults_reach_90_percent(tmp_path, data_dir):
 
 def test_fine_tuning_from_other_classes_beats_training_from_scratch(tmp_path, data_dir):
     # A ResNet-18 learns classes 0-4 (T-shirt, trouser, pullover, dress, coat) from random
-    # weights: one epoch over all their 30,000 training images. Then classes 5-9 (sandal,
-    # shirt, sneaker, bag, ankle boot) from 50 labelled images each, 20 steps, starting from
-    # those weights or from random ones. The flags are the same, and everything trains at one
+    # weights: one epoch over 3,000 training images of each (half of them, for the suite's
+    # time; the whole base took 4 minutes here). Then classes 5-9 (sandal, shirt, sneaker,
+    # bag, ankle boot) from 50 labelled images each, 20 steps, starting from those weights or
+    # from random ones. The flags are the same, and everything trains at one
     # rate (--trainable-layers 5 --backbone-lr-scale 1), so the start is the only difference.
     # 64 pixels: at 32 a random network's features are about as good as learnt ones for this
     # pair (README.md, "Transfer").
@@ -72,7 +73,8 @@ def test_fine_tuning_from_other_classes_beats_training_from_scratch(tmp_path, da
         )
         return proc, read_metrics(tmp_path / out)[-1]
 
-    _, base = finetune("--weights", "none", "--classes", "0-4", "--epochs", "1", out="base")
+    base_flags = ["--weights", "none", "--classes", "0-4", "--train-per-class", "3000"]
+    _, base = finetune(*base_flags, "--epochs", "1", out="base")
     assert base["test_acc"] >= 0.85  # it learnt its own classes
     few = [
         "--classes",
@@ -94,7 +96,8 @@ def test_fine_tuning_from_other_classes_beats_training_from_scratch(tmp_path, da
     )
     _, scratch = finetune(*few, "--weights", "none", out="scratch")
     assert tuned["step"] == scratch["step"] == 20
-    # Over seeds 0-4: 0.898-0.915 fine-tuned against 0.822-0.868 from scratch, each seed's gap
-    # at least 0.043 (README.md, "Transfer"). Had nothing loaded, the two runs would be one
-    # and the same (same seed): a gap of 0.
+    # With the whole base, over seeds 0-4: 0.898-0.915 fine-tuned against 0.822-0.868 from
+    # scratch, each seed's gap at least 0.043 (README.md, "Transfer"); with this half base,
+    # seed 0: 0.896 against 0.856. Had nothing loaded, the two runs would be one and the same
+    # (same seed): a gap of 0.
     assert tuned["test_acc"] >= scratch["test_acc"] + 0.03, (tuned, scratch)
