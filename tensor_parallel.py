@@ -223,7 +223,7 @@ def main(argv=None):
             # embedding, the norms and the head stay whole on every process.
             for block in model.blocks:
                 parallelize_module(block, mesh["tp"], block_plan(args.sequence_parallel))
-            if args.sequence_parallel:  # the first block's input cut by token, the last's joined
+            if args.sequence_parallel:  # 1st block's input cut by token, last one's output joined
                 if (tokens := model.pos.shape[1]) % tp:  # from_local assumes even pieces
                     fail(f"--sequence-parallel: TP degree {tp} must divide the {tokens} tokens")
                 cut, join = move(Replicate(), Shard(1)), move(Shard(1), Replicate())
