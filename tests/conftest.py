@@ -10,6 +10,7 @@ import random
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,28 @@ def free_port(low=20000, high=32000):
                 continue
             return s.getsockname()[1]
     raise RuntimeError("no free port found")
+
+
+def one_line_errors(script, argv, world=2):
+    """SCRIPT as `world` plain processes with launcher variables, expected to fail: each rank's
+    error line. Every rank must stop with exit status 1 and one line, no traceback, within
+    seconds (well below --dist-timeout)."""
+    port = free_port()
+    envs = [
+        clean_env(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r))
+        | dict(LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        for r in range(world)
+    ]
+    start = time.monotonic()
+    procs = run_ranks([script, *argv], envs, timeout=120, check=False)
+    assert time.monotonic() - start < 60
+    errors = []
+    for p in procs:
+        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+        assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+        assert lines[-1].startswith("error: ") and sum("error:" in ln for ln in lines) == 1
+        errors.append(lines[-1])
+    return errors
 
 
 def read_metrics(out_dir):

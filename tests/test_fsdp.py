@@ -6,7 +6,6 @@ import json
 import math
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -16,11 +15,9 @@ from conftest import (
     METRIC_KEYS,
     SYNTHETIC,
     assert_state_close,
-    clean_env,
-    free_port,
+    one_line_errors,
     read_metrics,
     run_python,
-    run_ranks,
     torchrun,
 )
 
@@ -217,26 +214,6 @@ def test_evaluation_is_exact_at_1_2_and_3_processes_and_the_export_loads_alone(s
         assert got == pytest.approx((round(loss, 4), round(acc, 4)), abs=1.1e-4), nproc
 
 
-def ranks(argv, world=2, timeout=120):
-    """fsdp_train.py as `world` plain processes with launcher variables: each rank's output."""
-    port = free_port()
-    envs = [
-        clean_env(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r))
-        | dict(LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        for r in range(world)
-    ]
-    start = time.monotonic()
-    procs = run_ranks(["fsdp_train.py", *argv], envs, timeout=timeout, check=False)
-    assert time.monotonic() - start < 60  # well below --dist-timeout
-    errors = []
-    for p in procs:
-        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-        assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
-        assert lines[-1].startswith("error: ") and sum("error:" in ln for ln in lines) == 1
-        errors.append(lines[-1])
-    return errors
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["ddp-file", "other-model", "missing-shard", "truncated-shard"])
 def test_bad_checkpoint_is_one_line_on_every_rank(tmp_path, sharded, case):
@@ -255,7 +232,7 @@ def test_bad_checkpoint_is_one_line_on_every_rank(tmp_path, sharded, case):
         (bad / "__1_0.distcp").write_bytes(data[: len(data) // 2])
     out = tmp_path / "out"
     argv = [*FAST, "--model", model, "--resume", bad, "--output-dir", out]
-    errors = ranks([*argv, "--batch-size", "6", "--dist-timeout", "100"])
+    errors = one_line_errors("fsdp_train.py", [*argv, "--batch-size", "6", "--dist-timeout", "100"])
     expected = {
         "ddp-file": "is a single-file checkpoint",
         "other-model": "holds a --model vit, not mlp",

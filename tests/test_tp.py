@@ -4,7 +4,6 @@ degree, exact evaluation, the single-file export and bad input. All on CPU with 
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -16,10 +15,9 @@ from conftest import (
     ROOT,
     SYNTHETIC,
     clean_env,
-    free_port,
+    one_line_errors,
     read_metrics,
     run_python,
-    run_ranks,
     torchrun,
 )
 
@@ -241,30 +239,10 @@ def test_evaluation_is_exact_at_every_degree_and_the_export_loads_alone(tp2):
         assert eval_only(nproc, out / "checkpoint", *flags) == expected, (nproc, flags)
 
 
-def ranks(argv, world=2):
-    """tensor_parallel.py as `world` plain processes with launcher variables: each one's
-    error line; each must stop with one line, within seconds."""
-    port = free_port()
-    envs = [
-        clean_env(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r))
-        | dict(LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        for r in range(world)
-    ]
-    start = time.monotonic()
-    procs = run_ranks(["tensor_parallel.py", *argv], envs, timeout=120, check=False)
-    assert time.monotonic() - start < 60  # well below --dist-timeout
-    errors = []
-    for p in procs:
-        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-        assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
-        assert lines[-1].startswith("error: ") and sum("error:" in ln for ln in lines) == 1
-        errors.append(lines[-1])
-    return errors
-
-
 @pytest.mark.slow
 def test_sequence_parallel_over_uneven_tokens_is_one_line_on_every_rank():
-    errors = ranks([*FAST, "--heads", "6", "--sequence-parallel", "--dist-timeout", "100"], 3)
+    argv = [*FAST, "--heads", "6", "--sequence-parallel", "--dist-timeout", "100"]
+    errors = one_line_errors("tensor_parallel.py", argv, world=3)
     assert all("TP degree 3 must divide the 16 tokens" in e for e in errors), errors
 
 
@@ -301,7 +279,7 @@ def test_bad_checkpoint_is_one_line_on_every_rank(tmp_path, tp2, case):
         (bad / "__1_0.distcp").unlink()  # rank 1's: rank 0 could read its own part
     out = tmp_path / "out"
     argv = [*FAST, *flags, "--resume", bad, "--output-dir", out, "--batch-size", "12"]
-    errors = ranks([*argv, "--dist-timeout", "100"])
+    errors = one_line_errors("tensor_parallel.py", [*argv, "--dist-timeout", "100"])
     expected = {
         "ddp-file": "is a single-file checkpoint",
         "other-shape": "holds a vit of --dim 96 --heads 4",
