@@ -8,6 +8,7 @@ import glob
 import importlib
 import itertools
 import json
+import math
 import os
 import random
 import re
@@ -543,6 +544,18 @@ def set_rng_state(state, device):
     torch.set_rng_state(state["torch"].cpu())  # RNG states must be CPU tensors
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+def warmup_cosine(optimizer, warmup_fraction, total_steps):
+    """A LambdaLR: linear warm-up to the peak over warmup_fraction of the steps, then cosine
+    decay to zero (fsdp_train.py, tensor_parallel.py)."""
+    warmup = max(1, int(warmup_fraction * total_steps))
+
+    def factor(step):
+        done = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * done))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def fast_forward(scheduler, steps):

@@ -36,7 +36,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import (
@@ -69,6 +68,7 @@ from common import (
     set_rng_state,
     together,
     trim_metrics,
+    warmup_cosine,
 )
 
 try:  # DTensor's and FSDP2's public homes since PyTorch 2.6
@@ -273,13 +273,7 @@ def main(argv=None):
             epoch, at = divmod(step, steps_per_epoch)
             print0(f"resumed from {resume} at epoch {epoch}, step {at} of {steps_per_epoch}")
 
-        warmup = max(1, int(args.warmup * total_steps))
-
-        def factor(step):  # linear warm-up to the peak, then cosine decay to zero
-            done = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-            return (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * done))
-
-        scheduler = LambdaLR(optimizer, factor)
+        scheduler = warmup_cosine(optimizer, args.warmup, total_steps)  # warm-up, cosine decay
         fast_forward(scheduler, step)  # the rate is a function of the step alone
 
         @torch.no_grad()

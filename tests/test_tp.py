@@ -3,6 +3,7 @@ one unsplit process on the same global batch, what each rank holds, resume at an
 degree, exact evaluation, the single-file export and bad input. All on CPU with gloo."""
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -339,3 +340,17 @@ def test_an_fsdp_checkpoint_of_the_vit_evaluates_the_same_under_tensor_paralleli
     last = read_metrics(out)[-1]
     expected = pytest.approx((last["test_loss"], last["test_acc"]), abs=1.1e-4)
     assert eval_only(2, out / "checkpoint") == expected
+
+
+def test_warmup_cosine_rises_to_the_peak_then_decays_to_zero():
+    """The schedule fsdp_train.py and tensor_parallel.py share, at 10 steps, warm-up 0.2."""
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    scheduler = common.warmup_cosine(optimizer, 0.2, 10)
+    rates = []
+    for _ in range(10):
+        rates.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert rates[:3] == pytest.approx([0.5, 1.0, 1.0])  # 2 warm-up steps, then the peak
+    assert rates[2:] == sorted(rates[2:], reverse=True) and rates[-1] < 0.05
+    assert rates[6] == pytest.approx(0.5 * (1 + math.cos(math.pi * 4 / 8)))
