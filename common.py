@@ -630,6 +630,60 @@ def load_model_state(model, state_dict, path):
         fail(f"checkpoint {path} does not fit this model (another --model?): {detail[0]}")
 
 
+def read_weights(path):
+    """A whole model's weights, read on this rank: a plain state_dict (model.pt of the sharded
+    scripts, a pretrained network's) or the 'model' of a checkpoint of these scripts."""
+    state = read_torch_file(path, "weights file")
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]
+    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+        fail(f"{path} holds no state dict (names to tensors)")
+    return state
+
+
+def check_weights(state, model, path):
+    """Stop naming the first name or shape in `state` that does not fit `model` (which may be
+    on the meta device: only its shapes are read)."""
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for key in sorted(want.keys() | state.keys()):
+        if key not in state or key not in want:
+            where = "the model has no" if key in state else "the file has no"
+            fail(f"{path} does not fit this model: {where} {key!r}")
+        if tuple(state[key].shape) != want[key]:
+            got = f"{tuple(state[key].shape)} in the file, {want[key]} in the model"
+            fail(f"{path} does not fit this model: {key!r} is {got}")
+
+
+def build_sharded(build, shard, device, seed, init_from=None):
+    """A model that no rank ever holds whole on its device (all ranks participate): build()
+    on the meta device (shapes, no memory), shard(model) (fully_shard, parallelize_module: the
+    layout of the pieces), then memory for this rank's pieces only, on `device`, filled by
+    broadcast from rank 0. Rank 0 builds the model once whole in CPU memory, seeded as one
+    process does (so every layout starts from the same weights), or reads init_from."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    with torch.device("meta"):
+        model = build()
+
+    def whole():  # rank 0
+        if init_from:
+            state = read_weights(init_from)
+            check_weights(state, model, init_from)
+            return state
+        seed_everything(seed)
+        return build().state_dict()
+
+    state = together(whole, run=is_main_process())  # a bad file stops every rank
+    shard(model)
+    model.to_empty(device=device)  # uninitialised memory, this rank's pieces only
+    if dist.is_initialized():
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, state if is_main_process() else {}, options=options)
+    else:
+        model.load_state_dict(state)
+    return model
+
+
 # Sharded checkpoints (fsdp_train.py, tensor_parallel.py): a torch.distributed.checkpoint
 # directory of every rank's pieces, plus meta.pt (step, RNG, flags) from rank 0.
 def find_sharded(output_dir):
@@ -659,26 +713,39 @@ def load_sharded(state, path):
         fail(f"cannot read checkpoint {path}: {first_line(e)}")
 
 
-def save_sharded(out, state, meta):
+def save_sharded(out, state, meta, background=False, group=None):
     """Every rank writes its pieces into OUT/checkpoint.tmp, rank 0 adds meta.pt and renames
-    it to checkpoint: a crash mid-save leaves the previous one whole (all ranks participate)."""
+    it to checkpoint: a crash mid-save leaves the previous one whole (all ranks participate).
+    In the background: dcp.async_save copies the pieces to CPU memory and writes them in a
+    thread while training goes on (`group`: a gloo group of the save's own); call the function
+    it returns (all ranks) to wait for the writes and publish the checkpoint."""
     import torch.distributed.checkpoint as dcp
 
     tmp, final, old = (Path(out, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.old"))
-    if is_main_process():  # a crashed save's, removed before any rank writes (dcp.save's
+    if is_main_process():  # a crashed save's, removed before any rank writes (the save's
         shutil.rmtree(tmp, ignore_errors=True)  # first step is collective)
-    dcp.save(state, checkpoint_id=tmp)
-    if is_main_process():  # dcp.save returns here once every rank's pieces are written
-        atomic_write(tmp / "meta.pt", lambda path: torch.save(meta, path))
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
+
+    def publish():
+        if is_main_process():  # the save returns once every rank's pieces are written
+            atomic_write(tmp / "meta.pt", lambda path: torch.save(meta, path))
+            if final.exists():  # then `old` is stale: a save killed while removing it
+                shutil.rmtree(old, ignore_errors=True)
+                final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+
+    if not background:
+        dcp.save(state, checkpoint_id=tmp)
+        return publish()
+    future = dcp.async_save(state, checkpoint_id=tmp, process_group=group)
+    return lambda: (future.result(), publish())
 
 
 def check_output_dir(path):
     """Create the output directory and prove it writable now, not after hours of training."""
-    probe = Path(path, f".write-test{os.getpid()}")
+    # A name no other process can hold: ranks on different nodes (or in containers) writing
+    # one shared folder can have the same process id, and would delete each other's probe.
+    probe = Path(path, f".write-test-{uuid.uuid4().hex}")
     try:
         probe.parent.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"0")
