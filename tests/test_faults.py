@@ -25,6 +25,7 @@ import torch
 from conftest import free_port
 
 import common
+import ddp_comm
 import ddp_mp_spawn
 import ddp_train
 
@@ -569,9 +570,11 @@ def test_non_finite_loss_stops_every_rank_at_the_same_step():
     assert lines[0] == lines[1]
 
 
-def _nan_rank(rank, port, log):
-    """One of two ranks whose loss turns NaN at its own step: rank 1's at step 5, rank 0's at
-    step 7 (by then the NaN gradients all-reduced at step 5 would have spread anyway)."""
+def _nan_rank(rank, port, log, script, argv, spreads):
+    """One of two ranks; rank 1's loss turns non-finite from step 5 on, rank 0's never. With
+    `spreads`, a NaN that spreads as it would: through rank 1's gradients into its weights;
+    without, its gradients stay finite (as when fp16 overflows: GradScaler then skips the
+    step on every rank), so the NaN stays in rank 1's loss alone."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2"
     )
@@ -579,20 +582,42 @@ def _nan_rank(rank, port, log):
 
     def cross_entropy(*args, **kwargs):
         loss = real(*args, **kwargs)
-        return loss * math.nan if next(calls) >= [7, 5][rank] else loss
+        if rank == 0 or next(calls) < 5:
+            return loss
+        return loss * math.nan if spreads else loss + math.nan * loss.detach()
 
     torch.nn.functional.cross_entropy = cross_entropy
+    main = {"ddp_train": ddp_train.main, "ddp_comm": ddp_comm.main}[script]
     try:
-        ddp_train.main([*SYNTHETIC, "--model", "mlp", "--log-every", "10", "--max-steps", "20"])
+        main([*SYNTHETIC, "--model", "mlp", "--max-steps", "20", *argv])
     except SystemExit as e:
         (log / str(rank)).write_text(str(e.code))
 
 
-def test_ranks_agree_on_the_first_non_finite_step(tmp_path):
-    """Between two checks the ranks may see the first NaN at different steps (rank 1's data
-    overflows first, its NaN reaches rank 0 through the next all-reduce): both must name the
-    earliest, so that their messages agree."""
-    torch.multiprocessing.spawn(_nan_rank, args=(free_port(), tmp_path), nprocs=2)
+@pytest.mark.parametrize(
+    "script, argv, spreads",
+    [
+        # Plain DDP: the NaN would reach rank 0 through the next gradient all-reduce; here
+        # the gradients stay finite: the all-reduced totals alone tell rank 0.
+        ("ddp_train", ["--log-every", "10"], False),  # the quick tier's
+        # Local SGD: nothing is all-reduced between averagings (steps 8, 16); the check at
+        # step 7 comes before rank 1's NaN weights reach rank 0.
+        pytest.param(
+            "ddp_comm",
+            ["--log-every", "7", "--local-sgd-period", "8", "--local-sgd-start", "0"],
+            True,
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_every_rank_stops_at_the_first_non_finite_step_one_rank_saw(
+    tmp_path, script, argv, spreads
+):
+    """The ranks check the all-reduced loss totals, not their own: when rank 1 alone sees a
+    non-finite loss, rank 0 stops at the same check (a rank stopping alone would leave the
+    other waiting in a collective), and both name the first bad step, which only rank 1 saw."""
+    args = (free_port(), tmp_path, script, argv, spreads)
+    torch.multiprocessing.spawn(_nan_rank, args=args, nprocs=2)
     for rank in "01":
         assert (tmp_path / rank).read_text().startswith("error: non-finite loss at step 5:")
 

@@ -1,7 +1,9 @@
 """tensor_parallel.py: TP 2 (with and without sequence parallelism) and 2-D (2 x 2) against
-one unsplit process on the same global batch, what each rank holds, resume at another
-degree, exact evaluation, the single-file export and bad input. All on CPU with gloo."""
+one unsplit process on the same global batch, across an epoch boundary (epoch 1's order is a
+new one, the same at every layout), what each rank holds, resume at another degree, exact
+evaluation, the single-file export and bad input. All on CPU with gloo."""
 
+import functools
 import json
 import math
 import shutil
@@ -21,25 +23,49 @@ from conftest import (
     run_python,
     torchrun,
 )
+from torch.utils.data import DistributedSampler
 
 import common
 import tensor_parallel
 
 GLOBAL_BATCH = 12  # 1 x 12; TP 2: one group of 12; 2 x 2: two groups of 6
-STEPS = 4
+# The probe cuts the training set to TRAIN samples: 2 steps an epoch, so that STEPS steps
+# run two epochs, with an evaluation and a checkpoint between them.
+TRAIN, STEPS = 24, 4
+STEPS_PER_EPOCH = TRAIN // GLOBAL_BATCH
 # AdamW steps that move the weights far beyond the tolerances, with clipping at work
 # (the gradient norms are above 0.5) so that the global norm is checked as well.
 FAST = [*SYNTHETIC, "--warmup", "0", "--lr", "0.5", "--clip-grad", "0.05", *DIST_TIMEOUT]
 
 
+def probe_argv(reports, *flags, dp=1):
+    """tests/tp_probe.py's command line: STEPS steps on TRAIN samples, into REPORTS/out."""
+    argv = ["tests/tp_probe.py", reports, TRAIN, "--", *FAST, "--max-steps", STEPS]
+    argv += ["--batch-size", GLOBAL_BATCH // dp, "--dp", dp, "--output-dir", Path(reports, "out")]
+    return argv + list(flags)
+
+
 def probe(nproc, reports, *flags, dp=1):
     """tests/tp_probe.py on nproc processes (one: a plain `python`, unsplit): rank 0's report
     and the output directory."""
-    out = Path(reports) / "out"
-    argv = ["tests/tp_probe.py", reports, "--", *FAST, "--max-steps", str(STEPS)]
-    argv += ["--batch-size", str(GLOBAL_BATCH // dp), "--dp", str(dp), "--output-dir", out]
-    run_python(argv + list(flags)) if nproc == 1 else torchrun(nproc, argv + list(flags))
-    return torch.load(Path(reports, "rank0.pt"), weights_only=False), out
+    argv = probe_argv(reports, *flags, dp=dp)
+    run_python(argv) if nproc == 1 else torchrun(nproc, argv)
+    return torch.load(Path(reports, "rank0.pt"), weights_only=False), Path(reports, "out")
+
+
+@functools.cache
+def train_labels():
+    return common.load_datasets("synthetic", "data")[0].labels[:TRAIN]
+
+
+def sampler_labels(step):
+    """The labels of one process's batch at `step` (global batch 12) in DistributedSampler's
+    order for the step's epoch: the order a single process takes, written down here."""
+    labels = train_labels()
+    sampler = DistributedSampler(range(TRAIN), 1, 0, seed=0, drop_last=True)
+    epoch, at = divmod(step, STEPS_PER_EPOCH)
+    sampler.set_epoch(epoch)
+    return labels[list(sampler)[at * GLOBAL_BATCH : (at + 1) * GLOBAL_BATCH]]
 
 
 def whole(out):
@@ -68,10 +94,16 @@ def assert_same_steps(got, reference, dp=1):
     """Step by step: rank 0's logits and loss (under 2-D: of its half of the global batch, the
     even samples) and every parameter's whole gradient; then the weights saved at the end.
     Gradients and weights as whole tensors: the difference at most 1e-4 of the norm (Adam's
-    division by the root of tiny squared gradients turns rounding into visible steps)."""
+    division by the root of tiny squared gradients turns rounding into visible steps). Across
+    the epoch boundary: epoch 1 takes a new order (every epoch repeating epoch 0's would not
+    show in the weights against a reference that repeats it as well), the sampler's."""
     (seen, out), (ref, ref_out) = got, reference
     assert len(seen["losses"]) == len(ref["losses"]) == STEPS
+    into_epoch_1 = STEPS - STEPS_PER_EPOCH
+    epoch_0, epoch_1 = ref["labels"][:into_epoch_1], ref["labels"][STEPS_PER_EPOCH:]
+    assert not torch.equal(torch.cat(epoch_1), torch.cat(epoch_0))
     for step in range(STEPS):
+        assert torch.equal(ref["labels"][step], sampler_labels(step)), step
         logits, labels = ref["logits"][step][::dp], ref["labels"][step][::dp]
         assert torch.equal(seen["labels"][step], labels), step  # the same samples
         torch.testing.assert_close(seen["logits"][step], logits, atol=1e-5, rtol=1e-4)
@@ -83,10 +115,14 @@ def assert_same_steps(got, reference, dp=1):
             assert g.norm() > 0, name  # the test can fail: every tensor has a gradient
             assert (grads[name] - g).norm() <= 1e-4 * g.norm(), (step, name)
     assert seen["norms"] == pytest.approx(ref["norms"], rel=1e-5)
-    # The evaluation at the end (2 x 2: each data-parallel group half of the test set).
-    last, ref_last = read_metrics(out)[-1], read_metrics(ref_out)[-1]
-    assert last["test_loss"] == pytest.approx(ref_last["test_loss"], abs=1e-4)
-    assert last["test_acc"] == pytest.approx(ref_last["test_acc"], abs=1.1 / 499)
+    # The evaluation after each epoch (2 x 2: each data-parallel group half of the test set).
+    metrics, ref_metrics = read_metrics(out), read_metrics(ref_out)
+    assert (
+        [m["step"] for m in metrics] == [m["step"] for m in ref_metrics] == [STEPS_PER_EPOCH, STEPS]
+    )
+    for m, ref_m in zip(metrics, ref_metrics, strict=True):
+        assert m["test_loss"] == pytest.approx(ref_m["test_loss"], abs=1e-4)
+        assert m["test_acc"] == pytest.approx(ref_m["test_acc"], abs=1.1 / 499)
     assert min(ref["norms"]) > 0.5  # above --clip-grad: clipping scaled every step
     a, b, start = whole(out), whole(ref_out), initial()
     assert a.keys() == b.keys() == start.keys()
@@ -202,14 +238,14 @@ def test_each_rank_holds_its_part_of_every_split_weight(tp2):
 
 @pytest.mark.slow
 def test_resume_at_another_degree_ends_where_one_run_ends(tmp_path, reference):
-    """TP 2 stops after 2 of 4 steps; 2 x 2 goes on from its pieces, mid-epoch, and ends with
-    the weights of the uninterrupted single process."""
-    out = tmp_path / "run"
-    argv = ["tensor_parallel.py", *FAST, "--output-dir", out, "--max-steps", str(STEPS)]
-    torchrun(2, [*argv, "--batch-size", "12", "--max-steps", "2"])
-    proc = torchrun(4, [*argv, "--batch-size", "6", "--dp", "2"])
-    assert "at epoch 0, step 2 of" in proc.stdout, proc.stdout
-    a, b = whole(out), whole(reference[1])
+    """TP 2 stops after 3 of 4 steps, in epoch 1; 2 x 2 goes on from its pieces with epoch 1's
+    next batch (its order, its position) and ends with the uninterrupted process's weights."""
+    torchrun(2, probe_argv(tmp_path, "--max-steps", STEPS - 1))
+    proc = torchrun(4, probe_argv(tmp_path, dp=2))
+    assert f"at epoch 1, step 1 of {STEPS_PER_EPOCH}" in proc.stdout, proc.stdout
+    seen, ref = torch.load(tmp_path / "rank0.pt", weights_only=False), reference[0]
+    assert len(seen["labels"]) == 1 and torch.equal(seen["labels"][0], ref["labels"][-1][::2])
+    a, b = whole(tmp_path / "out"), whole(reference[1])
     for key, start in initial().items():
         assert (a[key] - b[key]).norm() < 1e-3 * (b[key] - start).norm(), key
 
