@@ -435,6 +435,9 @@ class Attention(nn.Module):
     def __init__(self, dim, heads):
         super().__init__()
         self.head_dim = dim // heads
+        # attend(q, k, v): F.scaled_dot_product_attention unless set (context_parallel.py sets
+        # attention over every process's keys and values)
+        self.attend = None
         self.q, self.v, self.proj = (nn.Linear(dim, dim) for _ in range(3))
         # No key bias: it adds one constant to a query's scores, which softmax ignores, so its
         # gradient is zero plus rounding noise (that Adam would scale up to full steps).
@@ -445,7 +448,8 @@ class Attention(nn.Module):
             # -1: the heads this process holds (all unless a tensor-parallel plan split them)
             return y.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)))
+        attend = self.attend or F.scaled_dot_product_attention
+        out = attend(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)))
         return self.proj(out.transpose(1, 2).flatten(2))
 
 
@@ -471,11 +475,14 @@ class ViT(nn.Module):
     pre-norm blocks (the units that FSDP shards and tensor parallelism splits), the tokens'
     mean, a linear head."""
 
-    def __init__(self, in_channels=1, num_classes=10, size=28, dim=96, depth=4, heads=4):
+    def __init__(
+        self, in_channels=1, num_classes=10, size=28, dim=96, depth=4, heads=4, patch=None
+    ):
         super().__init__()
-        patch = max(1, size // 4)  # 4 x 4 tokens
-        self.patch_embed = nn.Conv2d(in_channels, dim, patch, stride=patch)
-        self.pos = nn.Parameter(0.02 * torch.randn(1, (size // patch) ** 2, dim))
+        # patch: (height, width) of a token's pixels; default 4 x 4 tokens
+        ph, pw = patch or (max(1, size // 4),) * 2
+        self.patch_embed = nn.Conv2d(in_channels, dim, (ph, pw), stride=(ph, pw))
+        self.pos = nn.Parameter(0.02 * torch.randn(1, (size // ph) * (size // pw), dim))
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(depth))
         self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, num_classes)
 

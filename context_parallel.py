@@ -1,0 +1,457 @@
+"""Context parallelism: each sample's sequence of tokens split over CP processes, which compute
+the sample together; with --dp D, D such groups side by side (2-D), all sharded by FSDP.
+
+Data, tensor and pipeline parallelism split the batch, the weights and the layers; none helps
+when one sample's activations are too large for a device, as with long contexts. Here each
+process holds 1/CP of every sample's tokens from the patch embedding on: norms, MLPs and the
+residual stream are per token and stay local. Only attention needs every token: each query
+must see every key and value, brought in one of two ways (--cp-impl):
+    allgather  K and V all-gathered before attention (as in Llama 3's long-context training)
+    ring       K/V blocks passed around a ring while each block is computed, the partial
+               results merged by their log-sum-exp (Ring Attention, Liu et al., 2023)
+
+    4 processes, --dp 2:  mesh [[0, 1],    each row a context-parallel group (one batch,
+                                [2, 3]]    each process half of every image's rows)
+
+The model is common.py's ViT made long: each image row one token (28, not 16 patches), so
+the sequence splits over 2, 4, 7, 14 or 28 processes with no padding.
+
+Launch (--output-dir: one directory for all processes, on several nodes a shared one):
+    python context_parallel.py                                     # one process, unsplit
+    torchrun --standalone --nproc_per_node=2 context_parallel.py   # CP degree 2
+    torchrun --standalone --nproc_per_node=4 context_parallel.py --dp 2   # 2 x 2
+    torchrun --nnodes=2 --nproc_per_node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+        --rdzv-id=myjob context_parallel.py --dp 2   # on each node; CP 4 inside it
+
+Checkpoints as in fsdp_train.py: every process writes its shards, a rerun resumes at any CP
+and DP degree, model.pt holds the whole model. --batch-size is per CP group (its processes
+share each batch); --lr is the peak AdamW rate per 256 samples of global batch.
+"""
+
+import functools
+import itertools
+import math
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.utils.data import DataLoader, DistributedSampler
+
+from common import (
+    DATASETS,
+    ArgumentParser,
+    ViT,
+    append_metrics,
+    atomic_write,
+    broadcast_object,
+    check_flags,
+    check_output_dir,
+    cleanup,
+    collate,
+    eval_shard,
+    evaluate,
+    fail,
+    fast_forward,
+    find_sharded,
+    init_distributed_mode,
+    load_datasets,
+    load_sharded,
+    pad_batches,
+    peer_failure,
+    print0,
+    read_sharded_meta,
+    reduce_value,
+    rng_state,
+    save_sharded,
+    seed_everything,
+    set_rng_state,
+    together,
+    trim_metrics,
+    warmup_cosine,
+)
+
+try:  # FSDP2's and the device mesh's public homes since PyTorch 2.6
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+except ImportError:
+    fully_shard = None
+
+
+def get_args(argv=None):
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    add = p.add_argument
+    add("--data", default="fashion-mnist", choices=DATASETS, help="data set")
+    add("--data-dir", default="data", help="root holding the data set (torchvision's layout)")
+    add("--download", action="store_true", help="download the data set if it is missing")
+    add("--dp", type=int, default=1, help="data-parallel degree; CP: processes / dp")
+    add("--cp", type=int, help="context-parallel degree (default: processes / --dp)")
+    add("--cp-impl", default="ring", choices=["ring", "allgather"], help="how K/V travel")
+    add("--dim", type=int, default=96, help="the ViT's width")
+    add("--heads", type=int, default=4, help="the ViT's attention heads")
+    add("--epochs", type=int, default=5, help="passes over the training set")
+    add("--batch-size", type=int, default=128, help="samples per CP group per step")
+    add("--lr", type=float, default=3e-3, help="peak AdamW rate per 256 samples of global batch")
+    add("--weight-decay", type=float, default=0.05, help="AdamW's decoupled weight decay")
+    add("--warmup", type=float, default=0.1, help="fraction of all steps spent warming up")
+    add("--seed", type=int, default=0, help="seed for the weights and the shuffling")
+    add("--amp", default="none", choices=["none", "bf16"], help="bf16: compute in bf16")
+    add("--clip-grad", type=float, default=0.0, help="max gradient norm; 0: no clipping")
+    add("--resume", help="checkpoint directory (default: OUTPUT_DIR/checkpoint if any)")
+    add("--eval-only", action="store_true", help="only evaluate the model given by --resume")
+    add("--max-steps", type=int, default=0, help="stop after this many steps; 0: no limit")
+    add("--output-dir", help="where checkpoints, model.pt and metrics.jsonl go; none: nothing")
+    add("--export", help="also write the whole trained model to this file")
+    add("--log-every", type=int, default=50, help="steps between progress and NaN checks")
+    add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if any")
+    add("--backend", choices=["gloo", "nccl"], help="default: nccl on CUDA, else gloo")
+    add("--dist-timeout", type=float, default=300, help="seconds before a lost peer ends the job")
+    args = p.parse_args(argv)
+    at_least_1 = ("dp", "cp", "dim", "heads", "epochs", "batch_size", "log_every")
+    not_negative = ("max_steps", "clip_grad")
+    check_flags(args, at_least_1, not_negative, positive=("lr", "dist_timeout"))
+    if not 0 <= args.warmup < 1:
+        fail(f"--warmup is a fraction of the run, in [0, 1); got {args.warmup}")
+    if args.dim % args.heads:
+        fail(f"--dim {args.dim} is not a whole number of --heads {args.heads}")
+    if args.eval_only and not args.resume:
+        fail("--eval-only needs --resume DIR (the checkpoint to evaluate)")
+    return args
+
+
+# What each way costs, per attention layer, with CP processes, a batch of N, T tokens in all:
+#   allgather: every process holds (and saves for backward) the whole K and V, 2 N T dim
+#     numbers, beside its 1/CP of the rest; it receives (CP - 1)/CP of them in forward and
+#     sends as much of their gradients in backward (a reduce-scatter). Nothing overlaps: the
+#     all-gather must finish before attention starts. Simple, and cheap while K and V fit.
+#   ring: every process holds its own K/V block and one in flight, 2 x 2 N T dim / CP numbers,
+#     and saves only its own for backward. Forward sends CP - 1 blocks to the next process,
+#     each while the previous one is computed; backward sends the K/V blocks again (CP - 1)
+#     and their gradient accumulators once around the whole ring (CP), about 3x forward's bytes.
+#     Memory stays 1/CP at any length; the sends hide behind compute when a block's attention
+#     takes longer than its transfer.
+def ring_pass(tensor, group):
+    """Start sending tensor to the next process of the ring and receiving the previous one's
+    (one send, one receive, all processes of the group at once); returns (received, requests)."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    received = torch.empty_like(tensor)
+    ops = [
+        dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (rank + 1) % size), group),
+        dist.P2POp(dist.irecv, received, dist.get_global_rank(group, (rank - 1) % size), group),
+    ]
+    return received, dist.batch_isend_irecv(ops)
+
+
+def wait(requests):
+    for request in requests:
+        request.wait()
+
+
+class RingAttention(torch.autograd.Function):
+    """softmax(q k^T / sqrt(d)) v over every process's keys and values, one block at a time.
+    PyTorch's CPU attention kernels do not return the log-sum-exp that merging needs, so the
+    math is written out (in fp32), as in picotron's context_parallel.py."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        scale, size = q.shape[-1] ** -0.5, dist.get_world_size(group)
+        with torch.autocast(q.device.type, enabled=False):
+            qf, kv = q.float(), torch.stack([k, v]).float()  # kv: the block that travels
+            out, lse = torch.zeros_like(qf), torch.full_like(qf[..., :1], -math.inf)
+            for step in range(size):
+                if step + 1 < size:  # pass this block on while computing with it
+                    next_kv, requests = ring_pass(kv, group)
+                scores = qf @ kv[0].transpose(-2, -1) * scale
+                block_lse = scores.logsumexp(-1, keepdim=True)  # log of softmax's denominator
+                block_out = torch.exp(scores - block_lse) @ kv[1]  # softmax over this block
+                # Merged: each part weighted by its share of the denominator over both.
+                new_lse = torch.logaddexp(lse, block_lse)
+                out = out * (lse - new_lse).exp() + block_out * (block_lse - new_lse).exp()
+                lse = new_lse
+                if step + 1 < size:
+                    wait(requests)
+                    kv = next_kv
+        # Laid out (N, tokens, heads, d) as SDPA returns it: the projection's input is then a
+        # view of it, not a copy saved for backward once more.
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
+        ctx.save_for_backward(q, k, v, out, lse)  # this process's K/V only: 1/CP of them
+        ctx.group, ctx.scale = group, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, scale, size = ctx.group, ctx.scale, dist.get_world_size(ctx.group)
+        qf, dout = q.float(), dout.float()
+        delta = (dout * out).sum(-1, keepdim=True)  # softmax's backward: sum_j P_ij dP_ij
+        dq, kv = torch.zeros_like(qf), torch.stack([k, v]).float()
+        dkv, dkv_requests = None, []
+        for step in range(size):
+            if step + 1 < size:  # the K/V blocks go round again, as in forward
+                next_kv, kv_requests = ring_pass(kv, group)
+            p = torch.exp(qf @ kv[0].transpose(-2, -1) * scale - lse)  # softmax, from the lse
+            ds = p * (dout @ kv[1].transpose(-2, -1) - delta)
+            dq += ds @ kv[0] * scale
+            grads = torch.stack([ds.transpose(-2, -1) @ qf * scale, p.transpose(-2, -1) @ dout])
+            if dkv is not None:  # this block's gradient from the processes before this one
+                wait(dkv_requests)
+                grads += dkv
+            # The accumulator follows its block: after CP steps it is back at its owner.
+            dkv, dkv_requests = ring_pass(grads, group)
+            if step + 1 < size:
+                wait(kv_requests)
+                kv = next_kv
+        wait(dkv_requests)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+def allgather_attention(q, k, v, group):
+    """K and V of every process, in token order, then attention as on one process. The
+    autograd all-gather's backward reduce-scatters their gradients back to their owners."""
+    kv = torch.stack([k, v]).contiguous()  # one collective for both
+    kv = funcol.all_gather_single_autograd(kv, gather_dim=3, group=group)
+    return F.scaled_dot_product_attention(q, kv[0], kv[1])
+
+
+class LongViT(ViT):
+    """common.py's ViT with each image row a token: 28 tokens of 28 pixels, not 16 patches
+    of 7 x 7. With a context-parallel group, each process runs its own rows only."""
+
+    def __init__(self, in_channels, num_classes, size, dim, heads, group=None, impl="ring"):
+        super().__init__(in_channels, num_classes, size, dim, heads=heads, patch=(1, size))
+        self.group, self.cp, self.rank = group, 1, 0
+        if group is not None:
+            self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+            attend = RingAttention.apply if impl == "ring" else allgather_attention
+            for block in self.blocks:
+                block.attn.attend = functools.partial(attend, group=group)
+
+    def forward(self, images):
+        n = self.pos.shape[1] // self.cp  # tokens (rows) per process, with their positions
+        rows = slice(self.rank * n, (self.rank + 1) * n)
+        x = self.patch_embed(images[:, :, rows]).flatten(2).transpose(1, 2) + self.pos[:, rows]
+        for block in self.blocks:
+            x = block(x)  # per token, but for attention (see RingAttention above)
+        x = self.norm(x).sum(1)  # this process's part of the tokens' mean
+        if self.cp > 1:
+            # The whole mean on every process. Every process of the group then computes the
+            # same loss; the all-gather's backward sums their CP equal gradients for these
+            # tokens, and FSDP's mean over the mesh divides by CP again.
+            x = funcol.all_gather_single_autograd(x, gather_dim=0, group=self.group)
+            x = x.view(self.cp, -1, x.shape[-1]).sum(0)
+        return self.head(x / self.pos.shape[1])
+
+
+def read_meta(path, args, tokens):
+    """Rank 0: the checkpoint's step, RNG and flags, after checking that it is one of ours."""
+    saved = (meta := read_sharded_meta(path))["args"]
+    shape = (saved.get("model", "vit"), saved.get("tokens", 16), saved["dim"], saved["heads"])
+    if shape != ("vit", tokens, args.dim, args.heads):  # a 16-token ViT's pos does not fit
+        fail(
+            f"checkpoint {path} holds a {shape[0]} of {shape[1]} tokens, --dim {shape[2]} "
+            f"--heads {shape[3]}; this is a vit of {tokens}, --dim {args.dim} --heads {args.heads}"
+        )
+    return meta
+
+
+def main(argv=None):
+    args = get_args(argv)
+    if fully_shard is None:
+        fail(f"context_parallel.py needs PyTorch 2.6 or newer (this is {torch.__version__})")
+    # The process group: rank, world size and device from whichever launcher started us.
+    info = init_distributed_mode(
+        backend=args.backend, device=args.device, timeout_s=args.dist_timeout
+    )
+    device, rank, world = info.device, info.rank, info.world_size
+    try:
+        dp, cp = args.dp, args.cp or max(1, world // args.dp)
+        if dp * cp != world:
+            fail(f"--dp {dp} x --cp {cp} makes a mesh of {dp * cp} processes; {world} started")
+        # Data: a CP group shares each batch; the dp rows of the mesh take disjoint 1/dp.
+        train_set, test_set, num_classes, in_channels = load_datasets(
+            args.data, args.data_dir, args.download, None, info.local_rank
+        )
+        if (tokens := train_set[0][0].shape[-2]) % cp:  # rows: even pieces, no padding
+            fail(f"CP degree {cp} must divide the {tokens} tokens (the images' rows)")
+        # The mesh: CP groups of cp consecutive ranks, one node's if cp divides its processes.
+        mesh = None
+        if info.distributed:
+            mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
+        dp_rank = mesh["dp"].get_local_rank() if mesh else 0
+        seed_everything(args.seed)  # the same initial weights on every rank
+
+        if (shard := len(train_set) // dp) < args.batch_size:
+            fail(f"--batch-size {args.batch_size} is larger than one group's shard ({shard})")
+        sampler = DistributedSampler(train_set, dp, dp_rank, seed=args.seed, drop_last=True)
+        pin = dict(collate_fn=collate, pin_memory=device.type == "cuda")
+        train_loader = DataLoader(
+            train_set, args.batch_size, sampler=sampler, drop_last=True, **pin
+        )
+        # Exact evaluation: each CP group 1/dp of the test set, none padded in.
+        test_loader = DataLoader(eval_shard(test_set, dp_rank, dp), 2 * args.batch_size, **pin)
+        steps_per_epoch, global_batch = len(train_loader), args.batch_size * dp
+        total_steps = args.epochs * steps_per_epoch
+
+        group = mesh["cp"].get_group() if cp > 1 else None
+        image_size = train_set[0][0].shape[-1]
+        model = LongViT(
+            in_channels, num_classes, image_size, args.dim, args.heads, group, args.cp_impl
+        )
+        model = model.to(device)
+        if info.distributed:
+            # Every process holds the same weights, so their gradients are averaged over the
+            # whole mesh, dp x cp (as torchtitan does): FSDP over all processes, each block
+            # then the root, as in fsdp_train.py.
+            mp = MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.float32)
+            policy = mp if args.amp == "bf16" else MixedPrecisionPolicy()
+            for block in model.blocks:
+                fully_shard(block, mp_policy=policy)
+            fully_shard(model, mp_policy=policy)
+        use_autocast = args.amp == "bf16" and not info.distributed  # FSDP gives bf16 itself
+        autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, use_autocast)
+
+        # Every rank writes its own shards into the output directory: every rank checks it.
+        out = together(lambda: args.output_dir and check_output_dir(args.output_dir))
+
+        lr = args.lr * global_batch / 256
+        optimizer = torch.optim.AdamW(model.parameters(), lr, weight_decay=args.weight_decay)
+
+        # Resume: rank 0 finds and checks the checkpoint; every rank reads its shards (any mesh).
+        step, meta = 0, None
+        resume = broadcast_object(args.resume or find_sharded(args.output_dir))
+        if resume:
+            check = lambda: read_meta(resume, args, tokens)  # noqa: E731
+            meta = broadcast_object(together(check, run=rank == 0))
+            model_sd, optim_sd = get_state_dict(model, optimizer)  # to be filled in
+            together(lambda: load_sharded(dict(model=model_sd, optimizer=optim_sd), resume))
+            set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        if resume and not args.eval_only:
+            saved = meta["args"]
+            changed = [k for k in ("epochs", "warmup") if saved[k] != getattr(args, k)]
+            if changed:  # the schedule is a function of these: it cannot go on where it was
+                was = ", ".join(f"--{k} {saved[k]}" for k in changed)
+                fail(f"{resume} was trained with {was}; resume with the same, or start anew")
+            for params in optimizer.param_groups:  # this run's settings, the saved moments
+                params.update(lr=lr, initial_lr=lr, weight_decay=args.weight_decay)
+            # The same global batch and seed make the same global batches at any degree:
+            # go on after the last step saved.
+            same = (meta["global_batch"], meta["steps_per_epoch"], saved["seed"])
+            if same == (global_batch, steps_per_epoch, args.seed):
+                step = meta["step"]
+                set_rng_state(meta["rng"], device)
+            else:  # other batches: a half-done epoch starts again, the schedule goes on
+                step = meta["step"] // meta["steps_per_epoch"] * steps_per_epoch
+            epoch, at = divmod(step, steps_per_epoch)
+            print0(f"resumed from {resume} at epoch {epoch}, step {at} of {steps_per_epoch}")
+
+        scheduler = warmup_cosine(optimizer, args.warmup, total_steps)  # warm-up, cosine decay
+        fast_forward(scheduler, step)  # the rate is a function of the step alone
+
+        @torch.no_grad()
+        def evaluate_all():
+            """Exact: a rank with fewer test batches runs empty ones (FSDP's forward is
+            collective); evaluate() sums each CP group's totals cp times, so the ratios are
+            exact."""
+            padded = pad_batches(test_loader, test_set[0][0].shape, device)
+            return evaluate(model, padded, device, autocast())
+
+        if args.eval_only:
+            loss, acc = evaluate_all()
+            print0(f"eval {resume}: test_loss {loss:.4f} test_acc {acc:.4f}")
+            return
+
+        def save(step):  # all ranks participate
+            meta = dict(step=step, steps_per_epoch=steps_per_epoch, rng=rng_state(device))
+            meta.update(
+                global_batch=global_batch, args=dict(vars(args), model="vit", tokens=tokens)
+            )
+            model_state, optim_state = get_state_dict(model, optimizer)
+            save_sharded(out, dict(model=model_state, optimizer=optim_state), meta)
+
+        start_epoch = step // steps_per_epoch
+        metrics = out / "metrics.jsonl" if out and rank == 0 else None
+        if metrics and not (args.max_steps and step >= args.max_steps):
+            trim_metrics(metrics, start_epoch)  # epochs that run again lose their old lines
+        size = f"global batch {global_batch}, peak lr {lr:.3g}, {steps_per_epoch} steps/epoch"
+        how = f"{dp} x {cp} (dp x cp) process(es), {args.cp_impl}, on {device.type}"
+        print0(f"ViT of {tokens} tokens on {args.data}: {how}, {size}")
+        if start_epoch >= args.epochs:
+            print0(f"{resume} already holds all {args.epochs} epochs: nothing to train")
+        for epoch in range(start_epoch, args.epochs):
+            if args.max_steps and step >= args.max_steps:
+                break
+            sampler.set_epoch(epoch)  # without it every epoch repeats epoch 0's order
+            epoch_step = step - epoch * steps_per_epoch
+            steps, done = steps_per_epoch - epoch_step, 0
+            # Sums stay on the device until a log step: .item() would stall a GPU every step.
+            loss_sum, count = torch.zeros(2, device=device, dtype=torch.float64)
+            model.train()
+            t0 = time.perf_counter()
+            # A mid-epoch resume skips the batches done: the order is a function of the epoch.
+            for images, labels in itertools.islice(train_loader, epoch_step, None):
+                images = images.to(device, non_blocking=True)
+                labels = labels.to(device, non_blocking=True)
+                with autocast():
+                    logits = model(images)  # whole on every process of the CP group
+                loss = F.cross_entropy(logits.float(), labels, label_smoothing=0.1)
+                loss.backward()  # FSDP: each gradient averaged over all dp x cp processes
+                loss_sum += loss.detach() * labels.numel()
+                count += labels.numel()
+                if args.clip_grad > 0:  # DTensor sums the shards' squares over all ranks
+                    nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+                optimizer.step()  # this rank's shards only
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                step, done = step + 1, done + 1
+                last = done == steps or step == args.max_steps
+                if step % args.log_every == 0 or last:
+                    # One all-reduce per log step (all ranks participate); every rank sees
+                    # the same NaN, so all stop before it can replace a good checkpoint.
+                    totals = reduce_value(torch.stack([loss_sum, count]))
+                    train_loss, lr_now = (totals[0] / totals[1]).item(), scheduler.get_last_lr()[0]
+                    if not math.isfinite(train_loss):
+                        fail(f"non-finite loss by step {step}: lower --lr or add --clip-grad")
+                    print0(f"epoch {epoch} step {step}: loss {train_loss:.4f} lr {lr_now:.3g}")
+                if last:
+                    break
+            seconds = time.perf_counter() - t0  # the loss all-reduce above synchronised
+
+            test_loss, test_acc = evaluate_all()
+            speed, lr_now = done * global_batch / seconds, scheduler.get_last_lr()[0]
+            record = dict(epoch=epoch, step=step, train_loss=train_loss, test_loss=test_loss)
+            record.update(test_acc=test_acc, epoch_seconds=seconds, samples_per_second=speed)
+            record.update(lr=lr_now, world_size=world)
+            losses = f"train_loss {train_loss:.4f} test_loss {test_loss:.4f}"
+            print0(f"epoch {epoch}: {losses} test_acc {test_acc:.4f} {seconds:.1f}s")
+            if metrics:  # first: a crash before the checkpoint reruns the epoch, trimmed
+                append_metrics(metrics, record)
+            if out:
+                save(step)  # all ranks participate
+
+        # The whole model in one file that loads into common.ViT(patch=(1, 28)) without
+        # DTensor: the shards gathered to rank 0's CPU memory (all ranks participate).
+        if out or args.export:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            whole = get_model_state_dict(model, options=options)
+            for path in filter(None, [out and out / "model.pt", args.export]):
+                write = functools.partial(atomic_write, path, functools.partial(torch.save, whole))
+                together(write, run=rank == 0)  # a bad --export path stops every rank
+        if info.distributed:
+            dist.barrier()  # leave together (all ranks participate): rank 0 hosts the store
+    except RuntimeError as e:
+        # A peer that died or hung for --dist-timeout breaks the others' collectives.
+        raise peer_failure(e, info) from None
+    finally:
+        cleanup()  # also on an error: the peers are not left waiting on a dead group
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Run context_parallel.main() with instruments and write what rank 0 saw to REPORTS/rank0.pt
+(every rank: REPORTS/rank{RANK}.pt): `python -m torch.distributed.run ... tests/cp_probe.py
+REPORTS -- ARGS`.
+
+Per training step: the logits and labels of this rank's batch, the loss, the norm that
+clip_grad_norm_ returned, and every parameter's whole gradient as the optimizer is about to
+step (a sharded one gathered from its shards: all ranks participate).
+"""
+
+import os
+import sys
+import types
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import context_parallel  # noqa: E402
+
+reports, argv = sys.argv[1], sys.argv[sys.argv.index("--") + 1 :]
+seen = dict(logits=[], labels=[], losses=[], norms=[], grads=[])
+names = {}
+
+
+def whole(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def cross_entropy(logits, labels, **kwargs):  # the training loss only (evaluate has its own)
+    loss = torch.nn.functional.cross_entropy(logits, labels, **kwargs)
+    seen["logits"].append(logits.detach().clone())
+    seen["labels"].append(labels.clone())
+    seen["losses"].append(loss.item())
+    return loss
+
+
+def clip_grad_norm_(*args, **kwargs):
+    norm = torch.nn.utils.clip_grad_norm_(*args, **kwargs)
+    seen["norms"].append(whole(norm).item())
+    return norm
+
+
+functional = vars(torch.nn.functional) | dict(cross_entropy=cross_entropy)
+context_parallel.F = types.SimpleNamespace(**functional)
+context_parallel.nn = types.SimpleNamespace(
+    utils=types.SimpleNamespace(clip_grad_norm_=clip_grad_norm_)
+)
+real_adamw = torch.optim.AdamW
+
+
+def adamw(params, *args, **kwargs):
+    params = list(params)
+    optimizer = real_adamw(params, *args, **kwargs)
+
+    def before_step(optimizer, *_):
+        seen["grads"].append({names[id(p)]: whole(p.grad).clone() for p in params})
+
+    optimizer.register_step_pre_hook(before_step)
+    return optimizer
+
+
+torch.optim.AdamW = adamw
+real_vit = context_parallel.LongViT
+
+
+class LongViT(real_vit):
+    def parameters(self, *args, **kwargs):  # called by the optimizer, after fully_shard
+        names.update({id(p): n for n, p in self.named_parameters()})
+        return super().parameters(*args, **kwargs)
+
+
+context_parallel.LongViT = LongViT
+real_cleanup = context_parallel.cleanup
+
+
+def report():
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.save(seen, os.path.join(reports, f"rank{rank}.pt"))
+    real_cleanup()
+
+
+context_parallel.cleanup = report
+context_parallel.main(argv)

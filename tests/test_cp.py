@@ -1,0 +1,367 @@
+"""context_parallel.py: CP 2 and 2-D (2 x 2) against one process on the same global batch for
+both ways of attending (ring and all-gather), the ring against the all-gather, the sends and
+collectives per attention layer, the activations each process saves, resume at another
+degree, exact evaluation, the export, bad input and the benchmark. All on CPU with gloo."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import (
+    DIST_TIMEOUT,
+    METRIC_KEYS,
+    ROOT,
+    SYNTHETIC,
+    clean_env,
+    one_line_errors,
+    read_metrics,
+    run_python,
+    torchrun,
+)
+
+import common
+import context_parallel
+
+GLOBAL_BATCH = 12  # 1 x 12; CP 2: one group of 12; 2 x 2: two groups of 6
+STEPS = 4
+# AdamW steps that move the weights far beyond the tolerances, with clipping at work
+# (the gradient norms are above 0.5) so that the global norm is checked as well.
+FAST = [*SYNTHETIC, "--warmup", "0", "--lr", "0.5", "--clip-grad", "0.05", *DIST_TIMEOUT]
+IMPLS = ["ring", "allgather"]
+
+
+def probe(nproc, reports, *flags, dp=1):
+    """tests/cp_probe.py on nproc processes (one: a plain `python`, unsplit): rank 0's report
+    and the output directory."""
+    out = Path(reports) / "out"
+    argv = ["tests/cp_probe.py", reports, "--", *FAST, "--max-steps", str(STEPS)]
+    argv += ["--batch-size", str(GLOBAL_BATCH // dp), "--dp", str(dp), "--output-dir", out]
+    run_python(argv + list(flags)) if nproc == 1 else torchrun(nproc, argv + list(flags))
+    return torch.load(Path(reports, "rank0.pt"), weights_only=False), out
+
+
+def whole(out):
+    return torch.load(out / "model.pt", map_location="cpu", weights_only=True)
+
+
+def long_vit():
+    return common.ViT(1, 10, 28, patch=(1, 28))  # each row a token, as context_parallel.py
+
+
+def initial():
+    common.seed_everything(0)  # what context_parallel.py builds first
+    return long_vit().state_dict()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, batch 12, STEPS steps."""
+    return probe(1, tmp_path_factory.mktemp("cp_reference"))
+
+
+@pytest.fixture(scope="module")
+def cp2(tmp_path_factory):
+    """CP 2 with the ring (2 processes, one batch of 12): a checkpoint in two processes' shards."""
+    tmp = tmp_path_factory.mktemp("cp2")
+    return probe(2, tmp, "--export", tmp / "exported.pt")
+
+
+def assert_same_steps(got, reference, dp=1):
+    """Step by step: rank 0's logits and loss (under 2-D: of its half of the global batch, the
+    even samples) and every parameter's whole gradient; then the weights saved at the end.
+    The tolerances of tests/test_tp.py: gradients and weights within 1e-4 and 1e-3 of their
+    norms (Adam's division by the root of tiny squared gradients turns rounding into steps)."""
+    (seen, out), (ref, ref_out) = got, reference
+    assert len(seen["losses"]) == len(ref["losses"]) == STEPS
+    for step in range(STEPS):
+        logits, labels = ref["logits"][step][::dp], ref["labels"][step][::dp]
+        assert torch.equal(seen["labels"][step], labels), step  # the same samples
+        torch.testing.assert_close(seen["logits"][step], logits, atol=1e-5, rtol=1e-4)
+        loss = F.cross_entropy(logits, labels, label_smoothing=0.1).item()
+        assert seen["losses"][step] == pytest.approx(loss, abs=1e-5), step
+        grads, ref_grads = seen["grads"][step], ref["grads"][step]
+        assert grads.keys() == ref_grads.keys() == initial().keys()
+        for name, g in ref_grads.items():
+            assert g.norm() > 0, name  # the test can fail: every tensor has a gradient
+            assert (grads[name] - g).norm() <= 1e-4 * g.norm(), (step, name)
+    assert seen["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+    # The evaluation at the end (2 x 2: each data-parallel group half of the test set).
+    last, ref_last = read_metrics(out)[-1], read_metrics(ref_out)[-1]
+    assert last["test_loss"] == pytest.approx(ref_last["test_loss"], abs=1e-4)
+    assert last["test_acc"] == pytest.approx(ref_last["test_acc"], abs=1.1 / 499)
+    assert min(ref["norms"]) > 0.5  # above --clip-grad: clipping scaled every step
+    a, b, start = whole(out), whole(ref_out), initial()
+    assert a.keys() == b.keys() == start.keys()
+    for key in b:
+        update = (b[key] - start[key]).norm()
+        assert update > 1e-3, key  # the steps moved every tensor, well beyond the tolerance
+        assert (a[key] - b[key]).norm() < 1e-3 * update, key
+
+
+@pytest.mark.slow
+def test_cp2_ring_takes_the_steps_of_one_process(cp2, reference):
+    assert_same_steps(cp2, reference)
+    seen, out = cp2
+    assert read_metrics(out)[-1].keys() >= METRIC_KEYS | {"step", "world_size"}
+    exported = torch.load(out.parent / "exported.pt", weights_only=True)
+    assert exported.keys() == whole(out).keys()
+    assert all(torch.equal(exported[k], whole(out)[k]) for k in exported)  # --export: the same
+
+
+@pytest.mark.slow
+def test_cp2_allgather_takes_the_steps_of_one_process(tmp_path, reference):
+    assert_same_steps(probe(2, tmp_path, "--cp-impl", "allgather"), reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", IMPLS)
+def test_2d_takes_the_steps_of_one_process(tmp_path, reference, impl):
+    assert_same_steps(probe(4, tmp_path, "--cp-impl", impl, dp=2), reference, dp=2)
+
+
+COUNT = """
+import json, sys, torch, torch.distributed as dist
+import common, context_parallel as cp
+from torch.distributed.tensor.debug import CommDebugMode
+dist.init_process_group("gloo")
+group, world, report = dist.group.WORLD, dist.get_world_size(), {}
+sends = []
+real_batch = dist.batch_isend_irecv
+def batch(ops):
+    sends.append(sum(op.op is dist.isend for op in ops))
+    return real_batch(ops)
+dist.batch_isend_irecv = batch
+
+def saved_bytes(storages):  # as benchmarks/sharding.py: a storage once, no weights
+    def pack(t):
+        base = t if t._base is None else t._base
+        if not (base.is_leaf and base.requires_grad):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+torch.manual_seed(1)
+images = torch.randn(6, 1, 28, 28)
+runs = {}
+for impl in ("one", "ring", "allgather"):
+    torch.manual_seed(0)
+    model = cp.LongViT(1, 10, 28, 96, 4, None if impl == "one" else group, impl)
+    storages, sends[:] = {}, []
+    with CommDebugMode() as forward, saved_bytes(storages):
+        logits = model(images)
+    forward_sends = sum(sends)
+    sends[:] = []
+    with CommDebugMode() as backward:
+        logits.square().sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    runs[impl] = logits.detach(), grads
+    counts = dict(forward_sends=forward_sends, backward_sends=sum(sends))
+    for phase, mode in (("forward", forward), ("backward", backward)):
+        for op, n in mode.get_comm_counts().items():
+            counts[f"{phase} {str(op).split('.')[-1]}"] = n
+    report[impl] = dict(counts, activations=sum(storages.values()))
+    with torch.no_grad():  # an empty batch (evaluation's padding) goes through as well
+        assert model(images[:0]).shape == (0, 10)
+# With CP, each process's gradients are CP times its tokens' share (see LongViT.forward):
+# summed over the group they are the whole one. The logits are whole on every process.
+for impl in ("ring", "allgather"):
+    logits, grads = runs[impl]
+    report[impl]["logits"] = (logits - runs["one"][0]).abs().max().item()
+    for name, g in grads.items():
+        dist.all_reduce(g)
+        g /= world
+    worst = max(((g - runs["one"][1][n]).norm() / runs["one"][1][n].norm()).item()
+                for n, g in grads.items())
+    report[impl]["grads"] = worst
+report["ring vs allgather"] = max(
+    ((runs["ring"][1][n] - g).norm() / g.norm()).item() for n, g in runs["allgather"][1].items()
+)
+if dist.get_rank() == 0:
+    print(json.dumps(report))
+common.cleanup()
+"""
+
+
+@pytest.mark.slow
+def test_ring_equals_allgather_and_what_each_sends_and_saves(tmp_path):
+    """At CP 2, 4 blocks, a batch of 6, one forward and backward of each way against one
+    process: the logits and the gradients (summed over the group); the ring's against the
+    all-gather's; the sends and collectives per attention layer; the bytes saved for
+    backward (half of one process's with the ring: every activation is per token, the ring
+    keeps only this process's K/V); and an empty batch."""
+    (tmp_path / "count.py").write_text(COUNT)
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = run_python([*launch, tmp_path / "count.py"], env=clean_env(PYTHONPATH=str(ROOT)))
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    one, ring, gather = report["one"], report["ring"], report["allgather"]
+    for impl in (ring, gather):
+        assert impl["logits"] < 1e-5 and impl["grads"] < 1e-5, report
+    assert report["ring vs allgather"] < 1e-5, report
+    # Per attention layer (4 blocks): the ring sends its K/V block once in forward (CP - 1),
+    # in backward the block again and its gradients' accumulator home (CP); the all-gather
+    # one all-gather of K and V together, then one reduce-scatter of their gradients. Both
+    # add the one all-gather of the tokens' sums for the mean (and its reduce-scatter).
+    depth = 4
+    assert (ring["forward_sends"], ring["backward_sends"]) == (depth * 1, depth * (1 + 2))
+    assert ring["forward all_gather_into_tensor"] == 1, ring
+    assert ring["backward reduce_scatter_tensor"] == 1, ring
+    assert (gather["forward_sends"], gather["backward_sends"]) == (0, 0)
+    assert gather["forward all_gather_into_tensor"] == depth + 1, gather
+    assert gather["backward reduce_scatter_tensor"] == depth + 1, gather
+    # Activations: the ring saves half of one process's (and the pooled features, whole);
+    # the all-gather saves the whole K and V of every layer, half of it beyond the ring.
+    assert 0.5 <= ring["activations"] / one["activations"] < 0.52, report
+    kv_half = depth * 2 * 6 * 14 * 96 * 4  # per layer: K and V of the other 14 tokens, fp32
+    assert gather["activations"] - ring["activations"] == kv_half, report
+
+
+@pytest.mark.slow
+def test_resume_at_another_degree_ends_where_one_run_ends(tmp_path, reference):
+    """CP 2 stops after 2 of 4 steps; 2 x 2 (all-gather) goes on from its shards, mid-epoch,
+    and ends with the weights of the uninterrupted single process."""
+    out = tmp_path / "run"
+    argv = ["context_parallel.py", *FAST, "--output-dir", out, "--max-steps", str(STEPS)]
+    torchrun(2, [*argv, "--batch-size", "12", "--max-steps", "2"])
+    proc = torchrun(4, [*argv, "--batch-size", "6", "--dp", "2", "--cp-impl", "allgather"])
+    assert "at epoch 0, step 2 of" in proc.stdout, proc.stdout
+    a, b = whole(out), whole(reference[1])
+    for key, start in initial().items():
+        assert (a[key] - b[key]).norm() < 1e-3 * (b[key] - start).norm(), key
+
+
+def eval_only(nproc, checkpoint, *flags):
+    argv = ["context_parallel.py", *SYNTHETIC, "--batch-size", "83", *flags]
+    argv += ["--eval-only", "--resume", checkpoint]
+    proc = run_python(argv) if nproc == 1 else torchrun(nproc, argv)
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("eval ")]
+    loss, acc = line.split("test_loss ")[1].split(" test_acc ")
+    return float(loss), float(acc.split()[0])
+
+
+@pytest.mark.slow
+def test_evaluation_is_exact_at_1_2_and_4_processes_and_the_export_loads_alone(cp2):
+    """model.pt evaluated here by common.evaluate on the plain ViT; the checkpoint evaluated at
+    1 process, CP 2 and 2 x 2 (test batches of 166: 499 samples in 3 and 2 x 2 batches)."""
+    _, out = cp2
+    model = long_vit()
+    model.load_state_dict(whole(out))
+    _, test_set, _, _ = common.load_datasets("synthetic", "data")
+    loader = torch.utils.data.DataLoader(test_set, 256, collate_fn=common.collate)
+    loss, acc = common.evaluate(model, loader, torch.device("cpu"))
+    assert read_metrics(out)[-1]["test_acc"] == acc
+    assert read_metrics(out)[-1]["test_loss"] == pytest.approx(loss, abs=1e-5)
+    expected = pytest.approx((round(loss, 4), round(acc, 4)), abs=1.1e-4)
+    for nproc, flags in [(1, []), (2, ["--cp-impl", "allgather"]), (4, ["--dp", "2"])]:
+        assert eval_only(nproc, out / "checkpoint", *flags) == expected, (nproc, flags)
+
+
+@pytest.mark.slow
+def test_cp_degree_that_does_not_divide_the_tokens_is_one_line_on_every_rank():
+    errors = one_line_errors("context_parallel.py", [*FAST, "--dist-timeout", "100"], world=3)
+    assert all("CP degree 3 must divide the 28 tokens" in e for e in errors), errors
+
+
+@pytest.mark.parametrize(
+    "flags, world, expected",
+    [
+        (["--cp", "2"], 3, "--dp 1 x --cp 2 makes a mesh of 2 processes; 3 started"),
+        (["--dp", "2"], 3, "--dp 2 x --cp 1 makes a mesh of 2 processes; 3 started"),
+    ],
+)
+def test_impossible_mesh_is_refused_before_any_collective(no_launcher, flags, world, expected):
+    """Checked by every rank alike before the mesh is made, so one pretended rank shows it."""
+    info = common.DistInfo(True, 0, 0, world, world, torch.device("cpu"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(context_parallel, "init_distributed_mode", lambda **_: info)
+        patch.setattr(context_parallel, "init_device_mesh", None)  # reached: a TypeError
+        with pytest.raises(SystemExit, match=expected):
+            context_parallel.main([*FAST, *flags])
+
+
+@pytest.mark.parametrize("case", ["other-model", "missing-piece"])
+@pytest.mark.slow
+def test_bad_checkpoint_is_one_line_on_every_rank(tmp_path, cp2, case):
+    """A checkpoint of another model (here: --dim 64 asked of a --dim 96 one; a 16-token ViT of
+    fsdp_train.py or tensor_parallel.py reads the same way), or one with a shard missing."""
+    bad = tmp_path / "checkpoint"
+    shutil.copytree(cp2[1] / "checkpoint", bad)
+    flags = ["--dim", "64"] if case == "other-model" else []
+    if case == "missing-piece":
+        (bad / "__1_0.distcp").unlink()  # rank 1's: rank 0 could read its own part
+    out = tmp_path / "out"
+    argv = [*FAST, *flags, "--resume", bad, "--output-dir", out, "--batch-size", "12"]
+    errors = one_line_errors("context_parallel.py", [*argv, "--dist-timeout", "100"])
+    expected = {
+        "other-model": "holds a vit of 28 tokens, --dim 96 --heads 4",
+        "missing-piece": "cannot read checkpoint",
+    }[case]
+    assert expected in errors[0] and len(set(errors)) == 1, errors
+    assert not out.exists() or not any(out.iterdir())  # nothing written
+
+
+def test_a_checkpoint_of_the_16_token_vit_is_refused(tmp_path):
+    """tensor_parallel.py's and fsdp_train.py's meta.pt name a "vit" without tokens: 16."""
+    (tmp_path / "meta.pt").parent.mkdir(exist_ok=True)
+    torch.save(dict(args=dict(model="vit", dim=96, heads=4)), tmp_path / "meta.pt")
+    args = context_parallel.get_args([])
+    with pytest.raises(SystemExit, match="holds a vit of 16 tokens"):
+        context_parallel.read_meta(tmp_path, args, 28)
+
+
+def docstring_launches():
+    """(processes, flags) of every torchrun command in context_parallel.py's docstring."""
+    for line in context_parallel.__doc__.replace("\\\n", " ").splitlines():
+        if "torchrun" in line:
+            words = line.split("#")[0].split()
+            sizes = dict(w[2:].split("=") for w in words if w.startswith(("--nnodes=", "--nproc")))
+            procs = int(sizes.get("nnodes", 1)) * int(sizes["nproc_per_node"])
+            yield procs, words[words.index("context_parallel.py") + 1 :]
+
+
+def test_docstring_launches_make_a_valid_mesh(no_launcher, monkeypatch):
+    """Every torchrun command in the docstring passes the mesh and token checks at its number
+    of processes: a pretended world of that size gets to making its mesh."""
+    launches = list(docstring_launches())
+    assert sorted(n for n, _ in launches) == [2, 4, 8]
+
+    class Reached(Exception):
+        pass
+
+    def mesh(*args, **kwargs):
+        raise Reached
+
+    monkeypatch.setattr(context_parallel, "init_device_mesh", mesh)
+    for world, flags in launches:
+        info = common.DistInfo(True, 0, 0, world, world, torch.device("cpu"))
+        monkeypatch.setattr(context_parallel, "init_distributed_mode", lambda info=info, **_: info)
+        with pytest.raises(Reached):
+            context_parallel.main([*flags, *SYNTHETIC])
+
+
+def test_refusals(no_launcher):
+    with pytest.raises(SystemExit, match="--dim 96 is not a whole number of --heads 5"):
+        context_parallel.get_args(["--heads", "5"])
+    with pytest.raises(SystemExit, match="--cp must be at least 1"):
+        context_parallel.get_args(["--cp", "0"])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(context_parallel, "fully_shard", None)
+        with pytest.raises(SystemExit, match="needs PyTorch 2.6 or newer"):
+            context_parallel.main([*SYNTHETIC])
+
+
+@pytest.mark.slow
+def test_benchmark_times_cp_beside_one_process_and_fsdp(tmp_path):
+    """benchmarks/context_parallel.py, small: every row, ratios against one process, and the
+    activations it reports per process (CP: about half of one process's)."""
+    argv = ["benchmarks/context_parallel.py", "--global-batch", "8", "--steps", "1"]
+    rows = [json.loads(ln) for ln in run_python(argv).stdout.splitlines() if ln.startswith("{")]
+    by = {r["layout"]: r for r in rows}
+    assert set(by) == {"1 process", "fsdp 2", "cp 2 ring", "cp 2 allgather"}, rows
+    assert all(r["ms_per_step"] > 0 for r in rows)
+    one = by["1 process"]["activations"]
+    assert 0.5 <= by["cp 2 ring"]["activations"] / one < 0.52, rows
+    assert 0.5 <= by["fsdp 2"]["activations"] / one < 0.52, rows  # half the batch each
+    assert by["cp 2 allgather"]["activations"] > by["cp 2 ring"]["activations"], rows
