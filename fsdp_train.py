@@ -6,18 +6,24 @@ them over the N processes (Zhao et al., 2023): just before a block runs, its wei
 all-gathered from the shards, and freed after it; backward reduce-scatters its gradients, so
 each process gets the mean for its own shard and steps its own slice of the optimizer state.
 Use it when the model and its optimizer state do not fit on one device beside the
-activations; while they do, ddp_train.py is simpler.
+activations; while they do, ddp_train.py is simpler. No device ever holds the whole model:
+every rank builds it on the meta device (shapes, no memory), shards it, and only then gets
+memory for its own pieces, filled by broadcast from rank 0's CPU copy (or --init-from FILE).
 
 Launch (--output-dir: one directory for all processes, on several nodes a shared one):
     python fsdp_train.py                                    # one process: nothing to shard
     torchrun --standalone --nproc_per_node=N fsdp_train.py  # N: this machine's GPUs
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
-        --rdzv-endpoint=HOST:29500 --rdzv-id=myjob fsdp_train.py   # on every node
+        --rdzv-endpoint=HOST:29500 --rdzv-id=myjob fsdp_train.py \\
+        --replicate 2          # HSDP: shard within each node, replicate across the two
+    torchrun --standalone --nproc_per_node=N fsdp_train.py --init-from model.pt  # fine-tune
 
-Every process writes its own shards of a checkpoint (torch.distributed.checkpoint); a rerun
-with the same --output-dir resumes from it at any number of processes. OUTPUT_DIR/model.pt
-(and --export PATH) holds the whole trained model for one process (quantize.py, finetune.py).
---batch-size is per process; --lr is the peak AdamW rate per 256 samples of the global batch.
+Every process writes its own shards of a checkpoint (torch.distributed.checkpoint), at each
+epoch's end and every --save-every steps (--async-save: in the background); a rerun with the
+same --output-dir resumes from it at any number of processes. OUTPUT_DIR/model.pt (and
+--export PATH) holds the whole trained model for one process (quantize.py, finetune.py).
+--batch-size is per process and micro-batch; --lr is the peak AdamW rate per 256 samples of
+the global batch (batch size x processes x --accum-steps).
 """
 
 import argparse
@@ -36,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -47,6 +54,7 @@ from common import (
     atomic_write,
     broadcast_object,
     build_model,
+    build_sharded,
     check_flags,
     check_output_dir,
     cleanup,
@@ -66,7 +74,6 @@ from common import (
     reduce_value,
     rng_state,
     save_sharded,
-    seed_everything,
     set_rng_state,
     together,
     trim_metrics,
@@ -87,7 +94,8 @@ def get_args(argv=None):
     add("--download", action="store_true", help="download the data set if it is missing")
     add("--model", default="vit", choices=sorted(MODELS), help="network")
     add("--epochs", type=int, default=5, help="passes over the training set")
-    add("--batch-size", type=int, default=128, help="samples per process per step")
+    add("--batch-size", type=int, default=128, help="samples per process per micro-batch")
+    add("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
     add("--lr", type=float, default=3e-3, help="peak AdamW rate per 256 samples of global batch")
     add("--weight-decay", type=float, default=0.05, help="AdamW's decoupled weight decay")
     add("--warmup", type=float, default=0.1, help="fraction of all steps spent warming up")
@@ -100,11 +108,16 @@ def get_args(argv=None):
     ac = "keep each block's input only; recompute the block in backward"
     add("--checkpoint-activations", action="store_true", help=ac)
     add("--cpu-offload", action="store_true", help="keep the shards in CPU memory (CUDA)")
+    hsdp = "HSDP: R replicas, each sharded over processes/R (a node's); 1: plain FSDP"
+    add("--replicate", type=int, default=1, metavar="R", help=hsdp)
+    add("--init-from", help="start from this whole-model file (model.pt, a state_dict)")
     add("--compile", action="store_true", help="torch.compile the model")
     add("--clip-grad", type=float, default=0.0, help="max gradient norm; 0: no clipping")
     add("--resume", help="checkpoint directory (default: OUTPUT_DIR/checkpoint if any)")
     add("--eval-only", action="store_true", help="only evaluate the model given by --resume")
     add("--max-steps", type=int, default=0, help="stop after this many steps; 0: no limit")
+    add("--save-every", type=int, default=0, help="steps between mid-epoch checkpoints; 0: none")
+    add("--async-save", action="store_true", help="write checkpoints while training goes on")
     add("--output-dir", help="where checkpoints, model.pt and metrics.jsonl go; none: nothing")
     add("--export", help="also write the whole trained model to this file")
     add("--log-every", type=int, default=50, help="steps between progress and NaN checks")
@@ -112,14 +125,25 @@ def get_args(argv=None):
     add("--backend", choices=["gloo", "nccl"], help="default: nccl on CUDA, else gloo")
     add("--dist-timeout", type=float, default=300, help="seconds before a lost peer ends the job")
     args = p.parse_args(argv)
-    at_least_1 = ("epochs", "batch_size", "log_every")
-    not_negative = ("max_steps", "clip_grad")
+    at_least_1 = ("epochs", "batch_size", "accum_steps", "replicate", "log_every")
+    not_negative = ("max_steps", "clip_grad", "save_every")
     check_flags(args, at_least_1, not_negative, positive=("lr", "dist_timeout"))
     if not 0 <= args.warmup < 1:
         fail(f"--warmup is a fraction of the run, in [0, 1); got {args.warmup}")
     if args.eval_only and not args.resume:
         fail("--eval-only needs --resume DIR (the checkpoint to evaluate)")
+    if (args.save_every or args.async_save) and not args.output_dir:
+        fail("--save-every and --async-save need --output-dir (where the checkpoints go)")
+    if args.checkpoint_activations and args.model not in ("vit", "resnet18"):
+        fail(f"--checkpoint-activations recomputes blocks; --model {args.model} has none")
     return args
+
+
+def units(model):
+    """What FSDP gathers and frees one at a time: the ViT's transformer blocks, ResNet's
+    stages (the MLP and the CNN have none: one unit, the root, whole)."""
+    stages = [getattr(model, f"layer{i}", None) for i in range(1, 5)]
+    return list(getattr(model, "blocks", [])) + [s for s in stages if s is not None]
 
 
 def read_meta(path, args):
@@ -134,22 +158,27 @@ def main(argv=None):
     args = get_args(argv)
     if fully_shard is None:
         fail(f"fsdp_train.py needs PyTorch 2.6 or newer (this is {torch.__version__})")
+    # Offloaded shards and their gradients are CPU tensors, which NCCL cannot reduce (the
+    # gradient norm's all-reduce, say): such a group needs gloo beside NCCL for them.
+    backend = args.backend
+    if args.cpu_offload and backend in (None, "nccl"):
+        backend = "cuda:nccl,cpu:gloo"
     # The process group: rank, world size and device from whichever launcher started us.
-    info = init_distributed_mode(
-        backend=args.backend, device=args.device, timeout_s=args.dist_timeout
-    )
+    info = init_distributed_mode(backend=backend, device=args.device, timeout_s=args.dist_timeout)
     device, rank, world = info.device, info.rank, info.world_size
     try:
         if args.cpu_offload and device.type != "cuda":
             fail("--cpu-offload keeps the shards in CPU memory for a GPU to compute on: no GPU")
-        seed_everything(args.seed)  # the same initial weights on every rank
+        if world % args.replicate:  # every rank checks, before any collective
+            fail(f"--replicate {args.replicate} does not divide the {world} processes")
 
         # Data: each rank trains on a disjoint 1/world of a permutation of (seed, epoch).
         train_set, test_set, num_classes, in_channels = load_datasets(
             args.data, args.data_dir, args.download, None, info.local_rank
         )
-        if (shard := len(train_set) // world) < args.batch_size:
-            fail(f"--batch-size {args.batch_size} is larger than one rank's shard ({shard})")
+        if (shard := len(train_set) // world) < args.batch_size * args.accum_steps:
+            per_step = f"--batch-size {args.batch_size} x --accum-steps {args.accum_steps}"
+            fail(f"{per_step} is more than one rank's shard of the data ({shard})")
         sampler = DistributedSampler(train_set, world, rank, seed=args.seed, drop_last=True)
         pin = dict(collate_fn=collate, pin_memory=device.type == "cuda")
         train_loader = DataLoader(
@@ -157,33 +186,50 @@ def main(argv=None):
         )
         # Exact evaluation: every test sample once over all ranks, none padded in.
         test_loader = DataLoader(eval_shard(test_set, rank, world), 2 * args.batch_size, **pin)
-        steps_per_epoch, global_batch = len(train_loader), args.batch_size * world
+        steps_per_epoch = len(train_loader) // args.accum_steps
+        global_batch = args.batch_size * world * args.accum_steps
         total_steps = args.epochs * steps_per_epoch
 
-        image_size = train_set[0][0].shape[-1]
-        model = build_model(args.model, in_channels, num_classes, image_size=image_size)
-        model = raw_model = model.to(device)  # raw_model: no torch.compile wrapper
-        # The units that FSDP gathers and frees one at a time: the ViT's transformer blocks,
-        # ResNet's stages (the MLP and the CNN are one unit, the root, whole).
-        stages = [getattr(model, f"layer{i}", None) for i in range(1, 5)]
-        blocks = list(getattr(model, "blocks", [])) + [s for s in stages if s is not None]
-        if args.checkpoint_activations:
-            for block in blocks:
-                block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        # The mesh of the device in use (without one, fully_shard would take CUDA's whenever
+        # there is a GPU). HSDP: each row of R x world/R is one replica, sharded over a node.
+        mesh = None
         if info.distributed:
+            shape, names = (args.replicate, world // args.replicate), ("replicate", "shard")
+            mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+            mesh = mesh if args.replicate > 1 else mesh["shard"]
+
+        def shard(model):
+            """FSDP's units: each gathered whole just before it runs and freed after."""
+            if not info.distributed:
+                return  # one process has nothing to shard
             # bf16: the gathered weights, and so the compute, in bf16; the gradients are
             # reduced in fp32, where bf16's 8-bit mantissa would lose small contributions.
             mp = MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.float32)
-            kwargs = dict(reshard_after_forward=args.reshard_after_forward)
+            kwargs = dict(mesh=mesh, reshard_after_forward=args.reshard_after_forward)
             kwargs.update(mp_policy=mp if args.amp == "bf16" else MixedPrecisionPolicy())
             if args.cpu_offload:
                 kwargs.update(offload_policy=CPUOffloadPolicy())
+            if args.amp == "bf16":  # BatchNorm's running statistics stay fp32: so must it
+                fp32 = MixedPrecisionPolicy(torch.float32, output_dtype=torch.bfloat16)
+                for norm in [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]:
+                    fully_shard(norm, **dict(kwargs, mp_policy=fp32))
             # Each block a unit of its own, so that one block's whole weights exist at a time
             # (and the next one's all-gather overlaps its compute); then the root, which takes
             # the rest and must come last. Each parameter becomes a DTensor: 1/world of it here.
-            for block in blocks:
+            for block in units(model):
                 fully_shard(block, **kwargs)
             fully_shard(model, **kwargs)
+
+        # Built on no device whole: see build_sharded. Rank 0's seeded CPU copy (or the
+        # --init-from file) fills every rank's pieces (all ranks participate).
+        image_size = train_set[0][0].shape[-1]
+        build = functools.partial(build_model, args.model, in_channels, num_classes, image_size)
+        on = torch.device("cpu") if args.cpu_offload else device
+        model = build_sharded(build, shard, on, args.seed, args.init_from)
+        raw_model = model  # no torch.compile wrapper
+        if args.checkpoint_activations:
+            for block in units(model):
+                block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
         # One process has nothing to shard: autocast gives it bf16 instead.
         use_autocast = args.amp == "bf16" and not info.distributed
         autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, use_autocast)
@@ -244,12 +290,21 @@ def main(argv=None):
         if args.compile:
             model = torch.compile(model)
 
+        # --async-save: the shards are copied to CPU memory (a copy of this rank's share of
+        # the weights and optimizer state) and written by a background thread, whose
+        # collectives need a gloo group of their own while training's run on the default one.
+        group = dist.new_group(backend="gloo") if args.async_save and info.distributed else None
+        pending = []  # the background save in flight: one at a time
+
         def save(step):  # all ranks participate
+            if pending:
+                pending.pop()()  # the previous save written (and published), before the next
             # The RNG is rank 0's: nothing in a step draws random numbers per rank.
             meta = dict(step=step, steps_per_epoch=steps_per_epoch, rng=rng_state(device))
             meta.update(global_batch=global_batch, args=vars(args))
             model_state, optim_state = get_state_dict(raw_model, optimizer)
-            save_sharded(out, dict(model=model_state, optimizer=optim_state), meta)
+            state = dict(model=model_state, optimizer=optim_state)
+            pending.extend(filter(None, [save_sharded(out, state, meta, args.async_save, group)]))
 
         start_epoch = step // steps_per_epoch
         metrics = out / "metrics.jsonl" if out and rank == 0 else None
@@ -270,17 +325,28 @@ def main(argv=None):
             model.train()
             t0 = time.perf_counter()
             # A mid-epoch resume skips the batches done: the order is a function of the epoch.
-            for images, labels in itertools.islice(train_loader, epoch_step, None):
+            batches = itertools.islice(train_loader, epoch_step * args.accum_steps, None)
+            for i, (images, labels) in enumerate(batches):
                 images = images.to(device, non_blocking=True)
                 labels = labels.to(device, non_blocking=True)
+                # Accumulation: on all but a step's last micro-batch, backward keeps each
+                # unit's whole (unsharded) gradient on every rank and adds the next one to it,
+                # reduce-scattering nothing: one reduce-scatter per step instead of K, for a
+                # whole gradient's memory per rank in between, as DDP holds.
+                last_micro = (i + 1) % args.accum_steps == 0
+                if info.distributed:
+                    raw_model.set_requires_gradient_sync(last_micro)
                 with autocast():
                     logits = model(images)
                 loss = F.cross_entropy(logits.float(), labels, label_smoothing=0.1)
                 # Each unit's gradients are reduce-scattered as soon as backward has made them:
-                # every rank keeps the mean over all ranks for its own shard.
-                loss.backward()
+                # every rank keeps the mean over all ranks for its own shard (over the
+                # micro-batches too, by the division).
+                (loss / args.accum_steps).backward()
                 loss_sum += loss.detach() * labels.numel()
                 count += labels.numel()
+                if not last_micro:
+                    continue
                 if args.clip_grad > 0:
                     # The norm of the whole gradient: DTensor sums the shards' squares over all
                     # ranks, so every rank scales by the same factor.
@@ -290,7 +356,8 @@ def main(argv=None):
                 scheduler.step()
                 step, done = step + 1, done + 1
                 last = done == steps or step == args.max_steps
-                if step % args.log_every == 0 or last:
+                snapshot = args.save_every and step % args.save_every == 0 and not last
+                if step % args.log_every == 0 or last or snapshot:
                     # One all-reduce per log step (all ranks participate); every rank sees
                     # the same NaN, so all stop before it can replace a good checkpoint.
                     totals = reduce_value(torch.stack([loss_sum, count]))
@@ -298,6 +365,8 @@ def main(argv=None):
                     if not math.isfinite(train_loss):
                         fail(f"non-finite loss by step {step}: lower --lr or add --clip-grad")
                     print0(f"epoch {epoch} step {step}: loss {train_loss:.4f} lr {lr_now:.3g}")
+                if snapshot:
+                    save(step)  # a mid-epoch checkpoint; all ranks participate
                 if last:
                     break
             seconds = time.perf_counter() - t0  # the loss all-reduce above synchronised
@@ -313,6 +382,8 @@ def main(argv=None):
                 append_metrics(metrics, record)
             if out:
                 save(step)  # all ranks participate
+        if pending:
+            pending.pop()()  # the last checkpoint written (and published by rank 0)
 
         # The whole model in one file that loads without FSDP: the shards gathered to rank 0's
         # CPU memory (all ranks participate), written there alone.

@@ -9,8 +9,14 @@ MODE collectives: FSDP's all-gathers and reduce-scatters, with their dtypes, in 
 MODE recompute: calls of the ViT blocks' forward per training step.
 MODE clip: the gradient norm that clip_grad_norm_ returned at each step.
 MODE crash-in-save: the second checkpoint's shards are written, then the process dies.
+MODE crash-in-async-save: the second background save is started, then the process dies.
+MODE build: per fully_shard call, whether every parameter and buffer it got was on the meta
+    device, and its mesh's device type; rank 0 also writes the whole model's state as built
+    (gathered from the shards) to REPORTS/initial.pt.
+Every mode: the indices the training sampler gave this rank, a list per epoch ("order").
 """
 
+import itertools
 import json
 import os
 import sys
@@ -56,6 +62,16 @@ def evaluate(*args, **kwargs):  # its forwards are not training's
 
 
 fsdp_train.evaluate = evaluate
+
+
+class Sampler(fsdp_train.DistributedSampler):
+    def __iter__(self):
+        order = list(super().__iter__())
+        seen.setdefault("order", []).append(order)  # one per epoch
+        return iter(order)
+
+
+fsdp_train.DistributedSampler = Sampler
 
 if mode == "collectives":
     # FSDP2's collectives, named by PyTorch release.
@@ -105,6 +121,39 @@ elif mode == "crash-in-save":
             os._exit(9)  # every rank, after its shards and before meta.pt and the renames
 
     dcp.save = save  # what common.save_sharded calls
+elif mode == "crash-in-async-save":
+    import torch.distributed.checkpoint as dcp
+
+    real_async_save = dcp.async_save
+
+    def async_save(*args, **kwargs):
+        future = real_async_save(*args, **kwargs)
+        seen["saves"] += 1
+        if seen["saves"] == 2:
+            os._exit(9)  # every rank, while its pieces may still be being written
+        return future
+
+    dcp.async_save = async_save
+elif mode == "build":
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    real_fully_shard, real_build = fsdp_train.fully_shard, fsdp_train.build_sharded
+
+    def fully_shard(module, **kwargs):
+        tensors = itertools.chain(module.parameters(), module.buffers())
+        seen.setdefault("meta", []).append(all(t.is_meta for t in tensors))
+        seen.setdefault("mesh", []).append(kwargs["mesh"].device_type)
+        return real_fully_shard(module, **kwargs)
+
+    def build_sharded(*args, **kwargs):
+        model = real_build(*args, **kwargs)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(model, options=options)  # all ranks participate
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            torch.save(state, os.path.join(reports, "initial.pt"))
+        return model
+
+    fsdp_train.fully_shard, fsdp_train.build_sharded = fully_shard, build_sharded
 
 real_cleanup = fsdp_train.cleanup
 

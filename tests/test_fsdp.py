@@ -269,6 +269,13 @@ def test_refusals(no_launcher):
         patch.setattr(fsdp_train, "fully_shard", None)
         with pytest.raises(SystemExit, match="needs PyTorch 2.6 or newer"):
             fsdp_train.main([*SYNTHETIC])
+    # A mesh that does not fit the processes: every rank stops before any collective.
+    with pytest.raises(SystemExit, match="--replicate 2 does not divide the 1 processes"):
+        fsdp_train.main([*SYNTHETIC, "--replicate", "2"])
+    with pytest.raises(SystemExit, match="recomputes blocks; --model mlp has none"):
+        fsdp_train.get_args(["--model", "mlp", "--checkpoint-activations"])
+    with pytest.raises(SystemExit, match="need --output-dir"):
+        fsdp_train.get_args(["--async-save"])
 
 
 @pytest.mark.slow
@@ -276,3 +283,164 @@ def test_compiled_sharded_run_equals_eager_and_exports_plain_keys(tmp_path, refe
     out = train(tmp_path, "compiled", 2, "mlp", "--compile")
     assert set(whole(out)) == set(initial("mlp"))  # no "_orig_mod." prefixes
     assert_same_training(out, references["mlp"], "mlp")
+
+
+# Built on no device whole, --init-from, --accum-steps, --replicate (HSDP), --save-every with
+# --async-save, bf16 with BatchNorm, the order across epochs.
+def run_probe(mode, nproc, tmp, *flags, model="vit", batch=None):
+    """tests/fsdp_probe.py MODE with fsdp_train.py on nproc processes (FAST: 5 steps at the
+    global batch of 12 unless `batch` per process is given), its output in TMP/out; returns
+    every rank's report by rank and the output directory."""
+    reports, out = tmp / "reports", tmp / "out"
+    reports.mkdir(parents=True)
+    argv = ["tests/fsdp_probe.py", mode, reports, "--", *FAST, "--model", model, *flags]
+    argv += ["--batch-size", str(batch or GLOBAL_BATCH // nproc), "--output-dir", out]
+    run_python(argv) if nproc == 1 else torchrun(nproc, argv)
+    found = [json.loads(p.read_text()) for p in reports.glob("rank*.json")]
+    return {r["rank"]: r for r in found}, out
+
+
+def test_no_rank_holds_the_whole_model_and_the_shards_start_as_one_process(tmp_path):
+    """Every unit fully_shard gets is still on the meta device (no memory), on a CPU mesh, and
+    the weights gathered right after the build are one process's seeded ones, exactly."""
+    reports, _ = run_probe("build", 2, tmp_path, "--max-steps", "1")
+    depth = len(common.build_model("vit", 1, 10).blocks)
+    for report in reports.values():
+        assert report["meta"] == [True] * (depth + 1)  # the blocks, then the root
+        assert report["mesh"] == ["cpu"] * (depth + 1)
+    built = torch.load(tmp_path / "reports/initial.pt", weights_only=True)
+    assert_state_close(built, initial("vit"), atol=0)
+
+
+def weights_file(path, model, wrapped):
+    """A state dict of `model` with values no seed gives (running variances positive), saved
+    plain or as the 'model' of a checkpoint of these scripts."""
+    state = {}
+    for k, v in common.build_model(model, 1, 10).state_dict().items():
+        state[k] = torch.randint_like(v, 1, 5) if not v.is_floating_point() else torch.rand_like(v)
+    torch.save(dict(model=state, epoch=3) if wrapped else state, path)
+    return state
+
+
+@pytest.mark.parametrize(
+    "nproc, model, wrapped", [(1, "mlp", False), (2, "cnn", False), (3, "vit", True)]
+)
+def test_init_from_fills_the_shards_with_the_files_weights(tmp_path, nproc, model, wrapped):
+    state = weights_file(tmp_path / "weights.pt", model, wrapped)
+    flags = ["--init-from", tmp_path / "weights.pt", "--max-steps", "1"]
+    run_probe("build", nproc, tmp_path, *flags, model=model)
+    assert_state_close(
+        torch.load(tmp_path / "reports/initial.pt", weights_only=True), state, atol=0
+    )
+
+
+def test_init_from_a_file_that_does_not_fit_is_one_line_on_every_rank(tmp_path):
+    weights_file(tmp_path / "mlp.pt", "mlp", wrapped=False)
+    out = tmp_path / "out"
+    argv = [*FAST, "--model", "vit", "--init-from", tmp_path / "mlp.pt", "--output-dir", out]
+    errors = one_line_errors("fsdp_train.py", [*argv, "--batch-size", "6"])
+    assert (
+        len(set(errors)) == 1 and "does not fit this model: the model has no '1.bias'" in errors[0]
+    )
+    assert not out.exists() or not any(out.iterdir())  # nothing written
+    state = common.build_model("vit", 1, 10).state_dict()
+    state["head.weight"] = state["head.weight"][:5]
+    with pytest.raises(SystemExit, match=r"'head.weight' is \(5, 96\) in the file, \(10, 96\)"):
+        common.check_weights(state, common.build_model("vit", 1, 10), "f.pt")
+
+
+@pytest.mark.slow
+def test_accumulation_reduce_scatters_once_per_step_and_equals_the_whole_batch(
+    tmp_path, references
+):
+    """2 micro-batches of 3 per rank at 2 processes: one step on 12, as one process takes it,
+    and one reduce-scatter per unit and step, not per micro-batch."""
+    seen, out = run_probe("collectives", 2, tmp_path, "--accum-steps", "2", batch=3)
+    depth = len(common.build_model("vit", 1, 10).blocks)
+    assert seen[0]["reduce_scatter backward float32"] == 5 * (depth + 1)
+    assert_same_training(out, references["vit"], "vit")
+
+
+@pytest.mark.slow
+def test_hsdp_2_by_2_trains_as_one_process_and_each_rank_holds_half(tmp_path, references):
+    """4 processes as 2 replicas of 2 shards: each rank holds its replica's half of every
+    parameter and of both AdamW moments, and the steps are one process's."""
+    seen, out = run_probe("shards", 4, tmp_path, "--replicate", "2")
+    params = list(common.build_model("vit", 1, 10).parameters())
+    assert sorted(seen) == [0, 1, 2, 3]
+    for rank, report in seen.items():
+        for p, (shape, local, state) in zip(params, report["shapes"], strict=True):
+            pieces = torch.arange(p.shape[0]).chunk(2)  # ranks 0, 1 and 2, 3: one replica each
+            rows = len(pieces[rank % 2]) if rank % 2 < len(pieces) else 0
+            assert shape == list(p.shape) and local == [rows, *p.shape[1:]], rank
+            assert state == [local, local]
+    assert_same_training(out, references["vit"], "vit")
+
+
+@pytest.mark.slow
+def test_hsdp_and_fsdp_checkpoints_resume_each_other(tmp_path, references):
+    """HSDP 2 x 2 stops after 2 steps, FSDP on 3 processes goes on to step 4, HSDP 2 x 2 does
+    the last: the weights of the uninterrupted run."""
+    out = tmp_path / "run"
+    argv = ["fsdp_train.py", *FAST, "--model", "vit", "--output-dir", out]
+    torchrun(4, [*argv, "--batch-size", "3", "--replicate", "2", "--max-steps", "2"])
+    proc = torchrun(3, [*argv, "--batch-size", "4", "--max-steps", "4"])
+    assert "at epoch 0, step 2 of" in proc.stdout, proc.stdout
+    proc = torchrun(4, [*argv, "--batch-size", "3", "--replicate", "2"])
+    assert "at epoch 0, step 4 of" in proc.stdout, proc.stdout
+    assert_same_training(out, references["vit"], "vit", resumed=True)
+
+
+@pytest.mark.slow
+def test_a_crash_during_an_async_save_leaves_the_last_one_and_resume_is_exact(tmp_path):
+    """--save-every 2 --async-save: the save at step 4 dies mid-write, after the one at step 2
+    was published. Also left behind: a checkpoint.old half removed (a save killed there). The
+    rerun resumes at step 2 mid-epoch, saves again, and ends as the uninterrupted run."""
+    flags = ["--model", "mlp", "--save-every", "2", "--async-save"]
+    reference = train(tmp_path, "reference", 2, "mlp", "--save-every", "2", "--async-save")
+    proc_flags = [*flags, "--batch-size", "6"]
+    reports, out = tmp_path / "reports", tmp_path / "out"
+    reports.mkdir()
+    argv = ["tests/fsdp_probe.py", "crash-in-async-save", reports, "--", *FAST, *proc_flags]
+    assert torchrun(2, [*argv, "--output-dir", out], check=False).returncode != 0
+    assert torch.load(out / "checkpoint/meta.pt", weights_only=True)["step"] == 2
+    (out / "checkpoint.old").mkdir()
+    (out / "checkpoint.old/__0_0.distcp").write_bytes(b"half removed")
+    proc = torchrun(2, ["fsdp_train.py", *FAST, *proc_flags, "--output-dir", out])
+    assert "at epoch 0, step 2 of" in proc.stdout, proc.stdout
+    assert torch.load(out / "checkpoint/meta.pt", weights_only=True)["step"] == 5
+    assert not (out / "checkpoint.old").exists() and not (out / "checkpoint.tmp").exists()
+    assert_same_training(out, reference, "mlp", resumed=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["cnn", "resnet18"])
+def test_bf16_trains_every_model_with_batchnorm(tmp_path, model):
+    """--amp bf16 on the models with BatchNorm (its own fp32 unit): the first step's loss is
+    the fp32 loss of the same weights on the same batch, to bf16's precision."""
+    out = train(tmp_path, "bf16", 2, model, "--amp", "bf16", "--max-steps", "1")
+    torch.manual_seed(0)
+    net = common.build_model(model, 1, 10).train()
+    train_set, _, _, _ = common.load_datasets("synthetic", "data")
+    sampler = torch.utils.data.DistributedSampler(train_set, 1, 0, seed=0, drop_last=True)
+    images, labels = common.collate([train_set[i] for i in list(sampler)[:GLOBAL_BATCH]])
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(net(images), labels, label_smoothing=0.1)
+    assert read_metrics(out)[-1]["train_loss"] == pytest.approx(loss.item(), abs=2e-2)
+
+
+def test_each_epoch_takes_a_new_order_and_the_global_batches_of_one_process(tmp_path):
+    """The MLP over 2 epochs of 5 steps (global batch 400): every epoch a new permutation,
+    and each step's samples over both ranks those of one process's step; its losses, weights."""
+    flags = ["--max-steps", "0", "--epochs", "2", "--log-every", "5", "--lr", "0.003"]
+    one, one_out = run_probe("order", 1, tmp_path / "1", *flags, model="mlp", batch=400)
+    two, two_out = run_probe("order", 2, tmp_path / "2", *flags, model="mlp", batch=200)
+    orders = one[0]["order"]
+    assert len(orders) == 2 and orders[0] != orders[1] and sorted(orders[0]) == sorted(orders[1])
+    for epoch, order in enumerate(orders):
+        for step in range(5):
+            pieces = [two[r]["order"][epoch][step * 200 : (step + 1) * 200] for r in (0, 1)]
+            assert sorted(sum(pieces, [])) == sorted(order[step * 400 : (step + 1) * 400])
+    losses = [[m["train_loss"] for m in read_metrics(out)] for out in (one_out, two_out)]
+    assert len(losses[0]) == 2 and losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert_same_training(two_out, one_out, "mlp")

@@ -33,6 +33,7 @@ from conftest import (
     DIST_TIMEOUT,
     METRIC_KEYS,
     ROOT,
+    assert_state_close,
     clean_env,
     load_ckpt,
     max_abs_diff,
@@ -598,8 +599,10 @@ def test_fsdp_bf16_and_cpu_offload(run):
     CPU, evaluates there to what the run measured, and is the CPU fp32 run's within bf16's
     rounding (Adam's steps do not depend on the gradients' scale, so the tolerance is AMP's)."""
     vit = [*DIST_TIMEOUT, "--data", "synthetic", "--model", "vit", "--batch-size", "32"]
-    vit += ["--max-steps", "5", "--warmup", "0", "--lr", "0.05"]
-    flags = [*vit, "--device", DEVICE, "--amp", "bf16"] + ["--cpu-offload"] * CUDA
+    # Clipping all-reduces the offloaded (CPU) gradients' norm: NCCL alone cannot.
+    vit += ["--max-steps", "5", "--warmup", "0", "--lr", "0.05", "--clip-grad", "1"]
+    flags = [*vit, "--device", DEVICE, "--amp", "bf16"]
+    flags += ["--cpu-offload"] * CUDA + ["--save-every", "2", "--async-save"]
     out, proc = run("fsdp_train.py", flags, nproc=1)
     assert re.search(r"1 process\(es\) on " + DEVICE, proc.stdout), proc.stdout[-2000:]
     assert (out / "checkpoint" / ".metadata").is_file()
@@ -615,6 +618,23 @@ def test_fsdp_bf16_and_cpu_offload(run):
     reference = torch.load(cpu / "model.pt", map_location="cpu", weights_only=True)
     initial = torch.load(start / "model.pt", map_location="cpu", weights_only=True)
     assert_same_training(state, reference, initial, AMP_TOL)
+
+
+def test_fsdp_device_cpu_init_from_and_bf16_batchnorm(run):
+    """--device cpu on a machine with GPUs: the mesh, and so every shard, on the CPU (gloo; the
+    default mesh would be CUDA's). --init-from a model.pt on the device: the shards filled by
+    broadcast from rank 0 (NCCL) equal the file. The CNN's BatchNorm in bf16 on the device."""
+    mlp = [*DIST_TIMEOUT, "--data", "synthetic", "--model", "mlp", "--max-steps", "3"]
+    cpu, proc = run("fsdp_train.py", [*mlp, "--device", "cpu"], nproc=2)
+    assert "2 process(es) on cpu" in proc.stdout, proc.stdout[-2000:]
+    flags = [*mlp, "--device", DEVICE, "--init-from", cpu / "model.pt", "--lr", "1e-12"]
+    out, _ = run("fsdp_train.py", [*flags, "--max-steps", "1"], nproc=GPUS)
+    start = torch.load(cpu / "model.pt", weights_only=True)
+    got = torch.load(out / "model.pt", weights_only=True)
+    assert_state_close(got, start, atol=1e-6)  # a step at 1e-12 leaves fp32 weights as they are
+    cnn = [*DIST_TIMEOUT, "--data", "synthetic", "--model", "cnn", "--max-steps", "3"]
+    out, _ = run("fsdp_train.py", [*cnn, "--device", DEVICE, "--amp", "bf16"], nproc=GPUS)
+    assert math.isfinite(read_metrics(out)[-1]["train_loss"])
 
 
 # ----------------------------------------------------------------------------------------
