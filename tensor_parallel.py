@@ -45,6 +45,7 @@ from common import (
     append_metrics,
     atomic_write,
     broadcast_object,
+    build_sharded,
     check_flags,
     check_output_dir,
     cleanup,
@@ -198,7 +199,7 @@ def main(argv=None):
         if info.distributed:
             mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
         dp_rank = mesh["dp"].get_local_rank() if mesh else 0
-        seed_everything(args.seed)  # the same initial weights on every rank
+        seed_everything(args.seed)
 
         # Data: a TP group shares each batch; the dp rows of the mesh take disjoint 1/dp.
         train_set, test_set, num_classes, in_channels = load_datasets(
@@ -217,25 +218,32 @@ def main(argv=None):
         total_steps = args.epochs * steps_per_epoch
 
         image_size = train_set[0][0].shape[-1]
-        model = ViT(in_channels, num_classes, image_size, dim=args.dim, heads=args.heads).to(device)
-        if tp > 1:
-            # Each split weight becomes a DTensor that holds 1/tp of it here; the patch
-            # embedding, the norms and the head stay whole on every process.
-            for block in model.blocks:
-                parallelize_module(block, mesh["tp"], block_plan(args.sequence_parallel))
-            if args.sequence_parallel:  # 1st block's input cut by token, last one's output joined
-                if (tokens := model.pos.shape[1]) % tp:  # from_local assumes even pieces
-                    fail(f"--sequence-parallel: TP degree {tp} must divide the {tokens} tokens")
-                cut, join = move(Replicate(), Shard(1)), move(Shard(1), Replicate())
-                parallelize_module(model, mesh["tp"], {"blocks.0": cut, "norm": join})
-        if dp > 1:
-            # FSDP over the other dimension, as in fsdp_train.py: each block, then the root.
-            # After TP: each TP piece is sharded again by rows over the dp processes with it.
-            mp = MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.float32)
-            policy = mp if args.amp == "bf16" else MixedPrecisionPolicy()
-            for block in model.blocks:
-                fully_shard(block, mesh=mesh["dp"], mp_policy=policy)
-            fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+        build = functools.partial(ViT, in_channels, num_classes, image_size, args.dim)
+        build = functools.partial(build, heads=args.heads)
+
+        def split(model):
+            if tp > 1:
+                # Each split weight becomes a DTensor that holds 1/tp of it here; the patch
+                # embedding, the norms and the head stay whole on every process.
+                for block in model.blocks:
+                    parallelize_module(block, mesh["tp"], block_plan(args.sequence_parallel))
+                if args.sequence_parallel:  # 1st block's input cut by token, the last's joined
+                    if (tokens := model.pos.shape[1]) % tp:  # from_local assumes even pieces
+                        fail(f"--sequence-parallel: TP degree {tp} must divide the {tokens} tokens")
+                    cut, join = move(Replicate(), Shard(1)), move(Shard(1), Replicate())
+                    parallelize_module(model, mesh["tp"], {"blocks.0": cut, "norm": join})
+            if dp > 1:
+                # FSDP over the other dimension, as in fsdp_train.py: each block, then the root.
+                # After TP: each TP piece is sharded again by rows over the dp processes with it.
+                mp = MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.float32)
+                policy = mp if args.amp == "bf16" else MixedPrecisionPolicy()
+                for block in model.blocks:
+                    fully_shard(block, mesh=mesh["dp"], mp_policy=policy)
+                fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+
+        # Built on no device whole, as in fsdp_train.py: the model's shapes on the meta device,
+        # split, then each rank's pieces filled from rank 0's seeded CPU copy.
+        model = build_sharded(build, split, device, args.seed)
         use_autocast = args.amp == "bf16" and dp == 1  # without FSDP, autocast gives bf16
         autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, use_autocast)
 
