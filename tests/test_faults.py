@@ -10,7 +10,6 @@ limits here are generous upper bounds that only tell a hang from a slow machine.
 
 import contextlib
 import json
-import math
 import os
 import re
 import signal
@@ -25,7 +24,6 @@ import torch
 from conftest import free_port
 
 import common
-import ddp_comm
 import ddp_mp_spawn
 import ddp_train
 
@@ -560,38 +558,22 @@ def finish(procs, timeout):
     return results
 
 
-def test_non_finite_loss_stops_every_rank_at_the_same_step():
-    """No launcher kills anyone here: each rank must stop by itself, at the step they agreed on."""
-    procs = two_ranks(
-        ["ddp_train.py", *SYNTHETIC, "--lr", "1e6", "--log-every", "1", "--epochs", "1"]
-    )
-    lines = [error_line(r) for r in finish(procs, timeout=120)]
-    assert re.fullmatch(r"error: non-finite loss at step \d+: lower --lr, .*", lines[0]), lines
-    assert lines[0] == lines[1]
-
-
-def _nan_rank(rank, port, log, script, argv, spreads):
-    """One of two ranks; rank 1's loss turns non-finite from step 5 on, rank 0's never. With
-    `spreads`, a NaN that spreads as it would: through rank 1's gradients into its weights;
-    without, its gradients stay finite (as when fp16 overflows: GradScaler then skips the
-    step on every rank), so the NaN stays in rank 1's loss alone."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2"
-    )
-    real, calls = torch.nn.functional.cross_entropy, iter(range(10**6))
-
-    def cross_entropy(*args, **kwargs):
-        loss = real(*args, **kwargs)
-        if rank == 0 or next(calls) < 5:
-            return loss
-        return loss * math.nan if spreads else loss + math.nan * loss.detach()
-
-    torch.nn.functional.cross_entropy = cross_entropy
-    main = {"ddp_train": ddp_train.main, "ddp_comm": ddp_comm.main}[script]
-    try:
-        main([*SYNTHETIC, "--model", "mlp", "--max-steps", "20", *argv])
-    except SystemExit as e:
-        (log / str(rank)).write_text(str(e.code))
+# Run as `python -c NAN_RANK ARGS` on each of two ranks: rank 1's loss turns non-finite from
+# step 5 on, rank 0's never. With SPREADS, a NaN that spreads as it would: through rank 1's
+# gradients into its weights; without, its gradients stay finite (as when fp16 overflows:
+# GradScaler then skips the step on every rank), so the NaN stays in rank 1's loss alone.
+NAN_RANK = """
+import math, os, sys, torch
+import {script}
+real, calls = torch.nn.functional.cross_entropy, iter(range(10**6))
+def cross_entropy(*args, **kwargs):
+    loss = real(*args, **kwargs)
+    if os.environ["RANK"] == "0" or next(calls) < 5:
+        return loss
+    return loss * math.nan if {spreads} else loss + math.nan * loss.detach()
+torch.nn.functional.cross_entropy = cross_entropy
+{script}.main(sys.argv[1:])
+"""
 
 
 @pytest.mark.parametrize(
@@ -610,16 +592,16 @@ def _nan_rank(rank, port, log, script, argv, spreads):
         ),
     ],
 )
-def test_every_rank_stops_at_the_first_non_finite_step_one_rank_saw(
-    tmp_path, script, argv, spreads
-):
+def test_every_rank_stops_at_the_first_non_finite_step_one_rank_saw(script, argv, spreads):
     """The ranks check the all-reduced loss totals, not their own: when rank 1 alone sees a
     non-finite loss, rank 0 stops at the same check (a rank stopping alone would leave the
-    other waiting in a collective), and both name the first bad step, which only rank 1 saw."""
-    args = (free_port(), tmp_path, script, argv, spreads)
-    torch.multiprocessing.spawn(_nan_rank, args=args, nprocs=2)
-    for rank in "01":
-        assert (tmp_path / rank).read_text().startswith("error: non-finite loss at step 5:")
+    other waiting in a collective), and both name the first bad step, which only rank 1 saw.
+    No launcher kills anyone here: each rank must stop by itself, with one line."""
+    code = NAN_RANK.format(script=script, spreads=spreads)
+    procs = two_ranks(["-c", code, *SYNTHETIC, "--model", "mlp", "--max-steps", "20", *argv])
+    lines = [error_line(r) for r in finish(procs, timeout=300)]  # a hang, not a slow machine
+    assert re.fullmatch(r"error: non-finite loss at step 5: lower --lr, .*", lines[0]), lines
+    assert lines[0] == lines[1]
 
 
 @pytest.mark.slow
