@@ -332,6 +332,9 @@ def _load_torchvision(name, data_dir, download):
     try:
         splits = [cls(data_dir, train=train, download=download) for train in (True, False)]
     except (RuntimeError, OSError) as e:  # not there, or the download failed
+        if download:  # not "pass --download": it was passed
+            why = f"{first_line(e).rstrip(':')}; check the network, or put its files there"
+            fail(f"downloading {name} into {where} failed ({why} and drop --download: README)")
         why = f"{first_line(e).rstrip(':')}; pass --download, or put its files there (README)"
         fail(f"{name} not found in {where} ({why})")
     images = [torch.as_tensor(s.data) for s in splits]  # (N, H, W), or CIFAR's (N, H, W, C)
@@ -555,7 +558,8 @@ def set_rng_state(state, device):
 
 def warmup_cosine(optimizer, warmup_fraction, total_steps):
     """A LambdaLR: linear warm-up to the peak over warmup_fraction of the steps, then cosine
-    decay to zero (fsdp_train.py, tensor_parallel.py)."""
+    decay to zero (ddp_train.py --schedule cosine, model_parallel.py, fsdp_train.py,
+    tensor_parallel.py). Warm-up 0: the first step at the peak."""
     warmup = max(1, int(warmup_fraction * total_steps))
 
     def factor(step):
@@ -563,6 +567,18 @@ def warmup_cosine(optimizer, warmup_fraction, total_steps):
         return (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * done))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def amp_note(amp, device):
+    """One line, on rank 0, where --amp runs but slowly on this device: fp16 on a CPU, and
+    bf16 on a GPU before Ampere (compute capability 8.0), which emulates it without a word."""
+    if amp == "fp16" and device.type == "cpu":
+        print0("note: --amp fp16 on CPU is slow; bf16 is the CPU's mixed-precision type")
+    if amp == "bf16" and device.type == "cuda" and not torch.version.hip:  # AMD's have bf16
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            gpu = f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
+            print0(f"note: --amp bf16 on {gpu} is emulated and slow; fp16 is its fast type")
 
 
 def fast_forward(scheduler, steps):

@@ -14,8 +14,7 @@ momentum only (ZeRO-1, Rajbhandari et al., 2020). Rank 0 prints what each rank s
 
 A copy of ddp_train.py whose added lines end in "# comm" or sit in a block opened by a
 "# comm:" comment, so `diff ddp_train.py ddp_comm.py` shows the strategy. ddp_train.py has
-what the copy leaves out: --augment, --sync-bn, --image-size, --eval-only, --compile, the
-cosine schedule and the note on fp16 on CPU.
+what the copy leaves out: --augment, --sync-bn, --image-size, --eval-only and --compile.
 """
 
 import argparse
@@ -42,6 +41,7 @@ from common import (
     DATASETS,
     MODELS,
     ArgumentParser,
+    amp_note,
     append_metrics,
     broadcast_object,
     build_model,
@@ -67,6 +67,7 @@ from common import (
     set_rng_state,
     together,
     trim_metrics,
+    warmup_cosine,
 )
 
 
@@ -84,8 +85,8 @@ def get_args(argv=None):
     add("--momentum", type=float, default=0.9, help="SGD (Nesterov) momentum")
     add("--weight-decay", type=float, default=5e-4, help="L2 penalty")
     add("--label-smoothing", type=float, default=0.1, help="for the training loss")
-    add("--schedule", default="onecycle", choices=["onecycle"], help="lr schedule: one-cycle")
-    add("--warmup", type=float, default=0.2, help="fraction of all steps spent warming up")
+    add("--schedule", default="onecycle", choices=["onecycle", "cosine"], help="lr schedule")
+    add("--warmup", type=float, default=0.2, help="fraction of the steps warming up; 0: none")
     add("--workers", type=int, default=0, help="DataLoader worker processes per rank")
     add("--seed", type=int, default=0, help="seed for the weights and the shuffling")
     add("--amp", default="none", choices=["none", "bf16", "fp16"], help="mixed precision")
@@ -145,9 +146,14 @@ class ResumableSampler(DistributedSampler):
 
 
 def make_scheduler(optimizer, args, total_steps):
-    # Cosine warm-up and decay; cycle_momentum=False keeps Nesterov's momentum fixed.
+    if args.schedule == "cosine":  # linear warm-up, then cosine decay to zero
+        return warmup_cosine(optimizer, args.warmup, total_steps)
+    # One-cycle: cosine warm-up from 1/25 of the peak, then cosine decay; cycle_momentum=False
+    # keeps Nesterov's momentum fixed. A warm-up of one step or less is none (the first step
+    # at the peak): OneCycleLR divides by zero at exactly one, and below it would start one
+    # step at 1/25 of the peak.
     peaks = [g["lr"] for g in optimizer.param_groups]
-    warmup = max(args.warmup, 1e-3)
+    warmup = args.warmup if args.warmup * total_steps > 1 else 0.0
     return OneCycleLR(optimizer, peaks, total_steps, pct_start=warmup, cycle_momentum=False)
 
 
@@ -215,6 +221,7 @@ def main(argv=None):
             fail("--local-sgd-period needs 2 or more processes: one has nothing to average")
         if (args.comm_hook != "none" or args.zero) and not info.distributed:  # comm
             print0("note: --comm-hook and --zero have no effect with one process")
+        amp_note(args.amp, device)  # fp16 on a CPU, bf16 on a GPU before Ampere: slow
         seed_everything(args.seed)  # the same initial weights on every rank
 
         # Data: each rank trains on a disjoint 1/world of a permutation of (seed, epoch).

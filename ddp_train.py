@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.optim.lr_scheduler import LambdaLR, OneCycleLR
+from torch.optim.lr_scheduler import OneCycleLR
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
@@ -42,6 +42,7 @@ from common import (
     DATASETS,
     MODELS,
     ArgumentParser,
+    amp_note,
     append_metrics,
     broadcast_object,
     build_model,
@@ -67,6 +68,7 @@ from common import (
     set_rng_state,
     together,
     trim_metrics,
+    warmup_cosine,
 )
 
 
@@ -86,7 +88,7 @@ def get_args(argv=None):
     add("--weight-decay", type=float, default=5e-4, help="L2 penalty")
     add("--label-smoothing", type=float, default=0.1, help="for the training loss")
     add("--schedule", default="onecycle", choices=["onecycle", "cosine"], help="lr schedule")
-    add("--warmup", type=float, default=0.2, help="fraction of all steps spent warming up")
+    add("--warmup", type=float, default=0.2, help="fraction of the steps warming up; 0: none")
     add("--augment", action="store_true", help="random crop and flip (use it for CIFAR-10)")
     add("--workers", type=int, default=0, help="DataLoader worker processes per rank")
     add("--seed", type=int, default=0, help="seed for the weights and the shuffling")
@@ -150,20 +152,15 @@ def random_crop_flip(images, pad=4):
 
 
 def make_scheduler(optimizer, args, total_steps):
-    if args.schedule == "onecycle":
-        # Cosine warm-up and decay; cycle_momentum=False keeps Nesterov's momentum fixed.
-        peaks = [g["lr"] for g in optimizer.param_groups]
-        warmup = max(args.warmup, 1e-3)
-        return OneCycleLR(optimizer, peaks, total_steps, pct_start=warmup, cycle_momentum=False)
-    warmup = max(1, int(args.warmup * total_steps))
-
-    def factor(step):  # linear warm-up to the peak, then cosine decay to zero
-        if step < warmup:
-            return (step + 1) / warmup
-        done = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return 0.5 * (1 + math.cos(math.pi * done))
-
-    return LambdaLR(optimizer, factor)
+    if args.schedule == "cosine":  # linear warm-up, then cosine decay to zero
+        return warmup_cosine(optimizer, args.warmup, total_steps)
+    # One-cycle: cosine warm-up from 1/25 of the peak, then cosine decay; cycle_momentum=False
+    # keeps Nesterov's momentum fixed. A warm-up of one step or less is none (the first step
+    # at the peak): OneCycleLR divides by zero at exactly one, and below it would start one
+    # step at 1/25 of the peak.
+    peaks = [g["lr"] for g in optimizer.param_groups]
+    warmup = args.warmup if args.warmup * total_steps > 1 else 0.0
+    return OneCycleLR(optimizer, peaks, total_steps, pct_start=warmup, cycle_momentum=False)
 
 
 def main(argv=None):
@@ -176,8 +173,7 @@ def main(argv=None):
     try:
         if args.sync_bn and device.type != "cuda":
             fail("--sync-bn needs CUDA: SyncBatchNorm has no CPU implementation")
-        if args.amp == "fp16" and device.type == "cpu":
-            print0("note: --amp fp16 on CPU is slow; bf16 is the CPU's mixed-precision type")
+        amp_note(args.amp, device)  # fp16 on a CPU, bf16 on a GPU before Ampere: slow
         seed_everything(args.seed)  # the same initial weights on every rank
 
         # Data: each rank trains on a disjoint 1/world of a permutation of (seed, epoch).

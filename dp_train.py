@@ -7,7 +7,7 @@ GPU 0's parameters. It needs no launcher and no process group, which is its one 
 PyTorch recommends DistributedDataParallel (ddp_train.py) instead, even on one machine:
 DataParallel copies the model to every GPU at every step, funnels all outputs and gradients
 through GPU 0, and its threads share one Python interpreter. Use it for a quick experiment on
-one multi-GPU box; without GPUs the model simply runs on the CPU.
+one multi-GPU box; without GPUs (or with --device cpu) the model runs on the CPU, unwrapped.
 
     python dp_train.py                                         # all visible GPUs, or the CPU
     CUDA_VISIBLE_DEVICES=0,1 python dp_train.py --batch-size 256 --amp bf16
@@ -32,6 +32,7 @@ from common import (
     DATASETS,
     MODELS,
     ArgumentParser,
+    amp_note,
     append_metrics,
     build_model,
     check_flags,
@@ -71,7 +72,7 @@ def get_args(argv=None):
     add("--weight-decay", type=float, default=5e-4, help="L2 penalty")
     add("--label-smoothing", type=float, default=0.1, help="for the training loss")
     add("--schedule", default="onecycle", choices=["onecycle"], help="lr schedule: one-cycle")
-    add("--warmup", type=float, default=0.2, help="fraction of all steps spent warming up")
+    add("--warmup", type=float, default=0.2, help="fraction of the steps warming up; 0: none")
     add("--workers", type=int, default=0, help="DataLoader worker processes")
     add("--seed", type=int, default=0, help="seed for the weights and the shuffling")
     add("--amp", default="none", choices=["none", "bf16", "fp16"], help="mixed precision")
@@ -126,6 +127,7 @@ def set_rng_states(state, device):
 
 
 def train(args, device):
+    amp_note(args.amp, device)  # fp16 on a CPU, bf16 on a GPU before Ampere: slow
     seed_everything(args.seed)
     train_set, test_set, num_classes, in_channels = load_datasets(
         args.data, args.data_dir, args.download, args.image_size
@@ -153,9 +155,12 @@ def train(args, device):
     model = build_model(args.model, in_channels, num_classes, image_size=train_set[0][0].shape[-1])
     model = model.to(device, memory_format=memory_format)  # DataParallel wants it on GPU 0
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
-    # The parallel wrapper. `model` itself is what gets saved and loaded: its state_dict has
-    # no "module." prefixes and loads into a plain model. On CPU, DataParallel calls it directly.
-    dp_model = nn.DataParallel(Autocast(model, amp_dtype, memory_format))
+    # The parallel wrapper, on CUDA only: DataParallel takes every visible GPU whatever the
+    # model's device, so --device cpu on a GPU machine would move it to cuda:0 anyway. `model`
+    # itself is what gets saved and loaded: its state_dict has no "module." prefixes.
+    dp_model = Autocast(model, amp_dtype, memory_format)
+    if device.type == "cuda":
+        dp_model = nn.DataParallel(dp_model)
 
     out = check_output_dir(args.output_dir) if args.output_dir else None
     lr = args.lr * args.batch_size / 256  # linear scaling rule
@@ -189,8 +194,10 @@ def train(args, device):
     # Made after the optimizer's state is loaded: OneCycleLR writes this run's peak (another
     # --batch-size scales it) into the optimizer, and is then stepped to where the resumed
     # epoch begins.
-    # Cosine warm-up and decay; cycle_momentum=False keeps Nesterov's momentum fixed.
-    warmup = max(args.warmup, 1e-3)
+    # Cosine warm-up and decay; cycle_momentum=False keeps Nesterov's momentum fixed. A warm-up
+    # of one step or less is none (the first step at the peak): OneCycleLR divides by zero at
+    # exactly one, and below it would start one step at 1/25 of the peak.
+    warmup = args.warmup if args.warmup * total_steps > 1 else 0.0
     scheduler = OneCycleLR(optimizer, lr, total_steps, pct_start=warmup, cycle_momentum=False)
     fast_forward(scheduler, step)
     start_epoch = step // steps_per_epoch
@@ -198,10 +205,11 @@ def train(args, device):
         trim_metrics(out / "metrics.jsonl", start_epoch)
 
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    how = f"DataParallel over {gpus} GPU(s)" if gpus else "the CPU, no DataParallel"
     size = "x".join(map(str, train_set[0][0].shape[-2:]))
     print(
-        f"{args.model} on {args.data} ({size} images): DataParallel over {gpus} GPU(s) "
-        f"({device.type}), batch {args.batch_size}, peak lr {lr:.3g}, {steps_per_epoch} steps/epoch"
+        f"{args.model} on {args.data} ({size} images): {how}, batch {args.batch_size}, "
+        f"peak lr {lr:.3g}, {steps_per_epoch} steps/epoch"
     )
     for epoch in range(start_epoch, args.epochs):
         if args.max_steps and step >= args.max_steps:

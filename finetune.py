@@ -15,8 +15,12 @@ data set, when a network pretrained on images like yours exists.
         --trainable-layers 5    # from an earlier run, on a few labels: benchmarks/transfer.py
 
 ImageNet weights are downloaded once per node into torch's hub cache; offline, pass
---weights-file (a state_dict or a checkpoint: what fits by name and shape loads) or --weights
-none. No resume: a rerun replaces --output-dir's files.
+--weights-file or --weights none. --weights-file takes a ResNet's weights in either form: a
+plain state_dict (torchvision's file, fsdp_train.py's model.pt of --model resnet18) or a
+checkpoint.pt whose "model" is one (finetune.py's own, ddp_train.py's of --model resnet18).
+What fits --model by name and shape loads (a resnet18 of common.py has all but its 3x3 stem);
+a file of another network (the ViT, the MLP, the small CNN) is refused in one line. No resume:
+a rerun replaces --output-dir's files.
 """
 
 import math
@@ -78,7 +82,7 @@ def get_args(argv=None):
     arg = p.add_argument
     arg("--model", "--arch", default="resnet18", choices=ARCHS, help="torchvision network")
     arg("--weights", default="DEFAULT", help="torchvision's weights (DEFAULT: best); none: random")
-    arg("--weights-file", help="a state_dict or checkpoint to start from (by name and shape)")
+    arg("--weights-file", help="a ResNet's state_dict, model.pt or checkpoint.pt to start from")
     arg("--trainable-layers", type=int, default=1, choices=range(6), help="0: head only; 5: all")
     arg("--data", default="fashion-mnist", choices=DATASETS, help="data set")
     arg("--data-dir", default="data", help="root holding the data set (torchvision layout)")
@@ -159,9 +163,10 @@ def pretrained_state(args, local_rank):
     return once_per_node(fetch, local_rank) or fetch()
 
 
-def build_model(args, num_classes, local_rank=0):
-    """The network with a new head of `num_classes` outputs, and the names of its tensors that
-    no weights were loaded into (the head and whatever did not fit): these train."""
+def build_pretrained_resnet(args, num_classes, local_rank=0):
+    """Not common.build_model: torchvision's --model with the pretrained weights loaded where
+    they fit and a new head of `num_classes` outputs; and the names of its tensors that no
+    weights were loaded into (the head and whatever did not fit): these train."""
     model = get_model(args.model, weights=None)  # ImageNet's shape (1000 classes), random
     # The new head starts random (the same on every rank: same seed) and is never loaded,
     # even where its shape fits: its outputs meant another data set's classes.
@@ -193,6 +198,9 @@ def build_model(args, num_classes, local_rank=0):
         f"{len(unused)} tensors of the file unused" + (f" ({unused[0]}, ...)" if unused else "")
     )
     return model, set(own) - set(fits)
+
+
+build_model = build_pretrained_resnet  # the old name, while tests/test_finetune.py uses it
 
 
 def freeze(model, trainable_layers, new):
@@ -249,7 +257,7 @@ def train(args, info):
     total_steps = min(args.epochs * len(train_loader), args.max_steps or math.inf)
     epochs = math.ceil(total_steps / len(train_loader))  # fewer than --epochs with --max-steps
 
-    model, new = build_model(args, num_classes, info.local_rank)
+    model, new = build_pretrained_resnet(args, num_classes, info.local_rank)
     frozen_norms = freeze(model, args.trainable_layers, new)
     model = model.to(device, memory_format=torch.channels_last)
     net = nn.Sequential(ToImageNetInput(args.image_size), model)  # `model` alone is saved

@@ -21,7 +21,6 @@ A rerun with the same --output-dir resumes at the start of the epoch it stopped 
 """
 
 import itertools
-import math
 import re
 import time
 from collections import OrderedDict
@@ -44,6 +43,7 @@ from common import (
     cleanup,
     collate,
     fail,
+    fast_forward,
     init_distributed_mode,
     load_checkpoint,
     load_datasets,
@@ -53,6 +53,7 @@ from common import (
     save_checkpoint,
     together,
     trim_metrics,
+    warmup_cosine,
 )
 
 
@@ -99,10 +100,11 @@ def parse_devices(text, device_flag):
     return [torch.device(name) for name in names]
 
 
-def build_model(in_channels, num_classes, widths=(32, 64, 128), hidden=128):
-    """A small CNN, a flat nn.Sequential of 5 blocks that stages are cut from. GroupNorm, not
-    BatchNorm: per sample, so micro-batches change nothing. Stride 2, not max-pooling, whose ties
-    flip with rounding. No in-place ReLU: a stage's input is a received buffer autograd keeps."""
+def build_pipeline_cnn(in_channels, num_classes, widths=(32, 64, 128), hidden=128):
+    """A small CNN, unlike common.build_model's a flat nn.Sequential of 5 blocks that stages
+    are cut from. GroupNorm, not BatchNorm: per sample, so micro-batches change nothing. Stride
+    2, not max-pooling, whose ties flip with rounding. No in-place ReLU: a stage's input is a
+    received buffer autograd keeps."""
     layers = []
     for c, w in itertools.pairwise((in_channels, *widths)):
         conv = nn.Conv2d(c, w, 3, stride=2, padding=1, bias=False)
@@ -197,7 +199,7 @@ def train(args, info):
     train_set, test_set, num_classes, in_channels = data
     if len(train_set) < args.batch_size:
         fail(f"--batch-size {args.batch_size} is more than the training set ({len(train_set)})")
-    model = build_model(in_channels, num_classes)
+    model = build_pipeline_cnn(in_channels, num_classes)
     costs = layer_costs(model, train_set[0][0].unsqueeze(0))
     if len(devices) > len(model):
         fail(f"{len(devices)} stages for a model of {len(model)} layers: at most {len(model)}")
@@ -244,12 +246,7 @@ def train(args, info):
     test_loader = DataLoader(test_set, args.batch_size, **loader_args)
     steps_per_epoch = len(train_loader)
     total_steps = args.epochs * steps_per_epoch  # not cut by --max-steps: a resume goes on
-    # Linear scaling: the peak rate grows with the batch; warm-up, then cosine decay to zero.
-    peak, warmup = args.lr * args.batch_size / 256, max(1, int(args.warmup * total_steps))
-
-    def lr_at(step):
-        done = max(0, step - warmup) / max(1, total_steps - warmup)
-        return peak * min(1, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * done))
+    peak = args.lr * args.batch_size / 256  # linear scaling: the peak grows with the batch
 
     # In mode 3 each stage's optimizer steps its own parameters: SGD is per element, so S
     # optimizers take together the step of one optimizer over the whole model.
@@ -273,6 +270,9 @@ def train(args, info):
             optimizer.state[param]["momentum_buffer"] = ckpt["momentum"][name].to(param.device)
         print0(f"resumed from {path} at epoch {ckpt['epoch']} of {args.epochs}")
     step = ckpt["epoch"] * steps_per_epoch if ckpt else 0
+    # Linear warm-up, then cosine decay to zero; a function of the step, so a resume moves it on.
+    scheduler = warmup_cosine(optimizer, args.warmup, total_steps)
+    fast_forward(scheduler, step)
     if out:
         trim_metrics(out / "metrics.jsonl", step // steps_per_epoch)  # each epoch appears once
 
@@ -292,10 +292,11 @@ def train(args, info):
         loss_sum = torch.zeros((), dtype=torch.float64, device=devices[-1])  # the last stage's
         t0, done = time.perf_counter(), 0
         for images, labels in train_loader:
-            optimizer.param_groups[0]["lr"] = lr_at(step)  # the one group
+            lr = scheduler.get_last_lr()[0]  # this step's rate
             loss = run_batch(images, labels, training=True)  # forward and backward
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
             step, done = step + 1, done + 1
             if loss is not None:  # the batch's mean loss, where the last stage is
                 loss_sum += loss
@@ -315,7 +316,7 @@ def train(args, info):
         speed = done * args.batch_size / seconds
         record = dict(epoch=epoch, step=step, train_loss=train_loss, test_loss=test_loss)
         record.update(test_acc=test_acc, epoch_seconds=seconds, samples_per_second=speed)
-        record.update(lr=lr_at(step - 1), world_size=world, stages=len(devices), microbatches=micro)
+        record.update(lr=lr, world_size=world, stages=len(devices), microbatches=micro)
         losses = f"train_loss {train_loss:.4f} test_loss {test_loss:.4f} test_acc {test_acc:.4f}"
         print0(f"epoch {epoch}: {losses} {seconds:.1f}s {speed:.0f} samples/s")
         if args.output_dir:

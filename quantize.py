@@ -17,7 +17,14 @@ One CPU process (these int8 kernels run on CPUs), after any training script:
     python quantize.py --checkpoint runs/ddp/checkpoint.pt  # with the --model it trained
     python quantize.py --checkpoint runs/ddp/checkpoint.pt --qat-steps 200 --threads 1 \\
         --json runs/q/results.json --output-dir runs/q     # reload: quantize.load_int8(path)
+    python fsdp_train.py --model mlp --output-dir runs/fsdp  # or torchrun ...
+    python quantize.py --checkpoint runs/fsdp/model.pt --model mlp   # a whole-model file
     python quantize.py                          # no checkpoint: trains a float model first
+
+--checkpoint takes a model of common.py (--model cnn, mlp, vit or resnet18) in either form:
+a checkpoint.pt of ddp_train.py, ddp_comm.py, dp_train.py or ddp_mp_spawn.py (its "model";
+its --model is recorded), or a plain state_dict such as fsdp_train.py's and
+tensor_parallel.py's model.pt (no record: pass the --model it was trained with).
 
 torch.ao.quantization (FX graph mode, used here) is deprecated in favour of torchao's PT2E flow
 (torch.export, prepare_pt2e, calibrate, convert_pt2e): the same steps.
@@ -56,6 +63,7 @@ from common import (
     load_checkpoint,
     load_datasets,
     load_model_state,
+    read_torch_file,
     save_checkpoint,
     seed_everything,
 )
@@ -72,7 +80,7 @@ warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
 def get_args(argv=None):
     p = ArgumentParser(description=__doc__.splitlines()[0])
     arg = p.add_argument
-    arg("--checkpoint", help="a float checkpoint of these scripts; none: train one here")
+    arg("--checkpoint", help="checkpoint.pt or model.pt of a training script; none: train here")
     # ImageFolder is left out: its images live on disk at their own size (not the MLP's 28x28).
     in_memory = [d for d in DATASETS if d != "imagefolder"]
     arg("--data", default="fashion-mnist", choices=in_memory, help="data set")
@@ -93,9 +101,6 @@ def get_args(argv=None):
     args = p.parse_args(argv)
     at_least_1 = ("epochs", "batch_size", "calib_batches", "runs", "threads")
     check_flags(args, at_least_1, not_negative=("qat_steps",), positive=("lr", "qat_lr"))
-    # Found now, not after minutes of work: atomic_write needs the folder to exist.
-    if args.json and not Path(args.json).absolute().parent.is_dir():
-        fail(f"--json {args.json}: folder {Path(args.json).parent} does not exist")
     return args
 
 
@@ -212,12 +217,20 @@ def main(argv=None):
     test_loader = DataLoader(test_set, **kw)
     model = build_model(args.model, channels, num_classes, image_size=test_set.images.shape[-1])
     if args.checkpoint:
-        ckpt = load_checkpoint(args.checkpoint)  # weights_only, onto the CPU
-        trained = ckpt.get("args", {}).get("model")  # the training scripts record their flags
-        if trained and trained != args.model:
-            fail(f"{args.checkpoint} holds a {trained!r} model; pass --model {trained}")
-        load_model_state(model, ckpt["model"], args.checkpoint)
-    out = check_output_dir(args.output_dir) if args.output_dir else None  # inputs good: write
+        state = read_torch_file(args.checkpoint)  # weights_only, onto the CPU
+        if isinstance(state, dict) and isinstance(state.get("model"), dict):  # a checkpoint
+            trained = state.get("args", {}).get("model")  # the training scripts record it
+            if trained and trained != args.model:
+                fail(f"{args.checkpoint} holds a {trained!r} model; pass --model {trained}")
+            state = state["model"]
+        if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+            why = "neither a checkpoint of these scripts nor a state_dict (names to tensors)"
+            fail(f"{args.checkpoint} is {why}")
+        load_model_state(model, state, args.checkpoint)
+    # Inputs good: only now are folders made (and proven writable) and anything written.
+    out = check_output_dir(args.output_dir) if args.output_dir else None
+    if args.json:
+        check_output_dir(Path(args.json).absolute().parent)
 
     # channels_last as in ddp_train.py: oneDNN's fastest fp32 convolutions, and the NHWC layout
     # that the int8 convolutions use inside anyway.

@@ -1,6 +1,7 @@
 """What dp_train.py (nn.DataParallel) and ddp_mp_spawn.py (mp.spawn) do beyond ddp_train.py's
-loop: DataParallel's replicas compute in the dtype and memory format asked for, every GPU's
-RNG state is saved, a torchrun group is torn down, and a failing child is reported once.
+loop: DataParallel only on CUDA, its replicas compute in the dtype and memory format asked
+for, every GPU's RNG state is saved, a torchrun group is torn down, and a failing child is
+reported once.
 Their training itself is checked in test_scripts.py, test_copies.py and test_resume.py."""
 
 import copy
@@ -19,20 +20,21 @@ import dp_train
 MLP_STEPS = [*SYNTHETIC, "--model", "mlp", "--batch-size", "32"]
 
 
-def test_dp_train_trains_through_dataparallel(no_launcher):
-    """Every training and evaluation batch goes through nn.DataParallel's forward (on CPU it
-    calls the model directly, so only a spy tells that the wrapper is there)."""
-    calls = []
+def test_dp_train_wraps_only_on_cuda(no_launcher):
+    """DataParallel takes every visible GPU whatever the model's device: built with --device
+    cpu on a machine with GPUs, it moved the model to cuda:0 (or, with two, refused it). So it
+    is built on CUDA only; on the CPU every batch goes straight to the model. A spy tells
+    whether it was built (tests/test_gpu.py runs --device cpu beside real GPUs)."""
+    built = []
 
     class Spy(nn.DataParallel):
-        def forward(self, *inputs, **kwargs):
-            calls.append(inputs[0].shape[0])
-            return super().forward(*inputs, **kwargs)
+        def __init__(self, *args, **kwargs):
+            built.append(args)
+            super().__init__(*args, **kwargs)
 
     no_launcher.setattr(nn, "DataParallel", Spy)
     dp_train.main([*MLP_STEPS, "--max-steps", "3"])
-    assert calls[:3] == [32, 32, 32]  # the training steps, then the test set (499 in batches of 64)
-    assert sum(calls[3:]) == 499
+    assert built == []
 
 
 def test_dataparallel_replicas_compute_in_the_dtype_asked_for():
@@ -55,11 +57,10 @@ def test_dataparallel_replicas_compute_in_the_dtype_asked_for():
 
 
 @pytest.mark.parametrize("channels_last", [True, False])
-def test_dataparallel_replicas_compute_nhwc(no_launcher, channels_last):
+def test_dataparallel_replicas_compute_nhwc(channels_last):
     """What dp_train.py hands to DataParallel, run the way a second GPU's replica runs:
     replicate() gives it contiguous (NCHW) copies of the weights, and the batch may arrive
-    NCHW. Its convolutions must still compute NHWC by default, NCHW with --no-channels-last.
-    (On CPU DataParallel calls the module itself: a spy runs such a replica beside it.)"""
+    NCHW. Its convolutions must still compute NHWC by default, NCHW with --no-channels-last."""
     nhwc = set()
 
     def record(module, inputs, out):
@@ -68,20 +69,15 @@ def test_dataparallel_replicas_compute_nhwc(no_launcher, channels_last):
     def nchw(t):  # a fresh copy in NCHW strides (.contiguous() keeps a 1-channel NHWC one)
         return torch.empty(t.shape, dtype=t.dtype).copy_(t)
 
-    class Replicas(nn.DataParallel):
-        def forward(self, images):
-            replica = copy.deepcopy(self.module)
-            for p in replica.parameters():
-                p.data = nchw(p.data)  # as replicate()'s broadcast copies are
-            for conv in (m for m in replica.modules() if isinstance(m, nn.Conv2d)):
-                conv.register_forward_hook(record)
-            with torch.no_grad():
-                replica(nchw(images))
-            return super().forward(images)
-
-    no_launcher.setattr(nn, "DataParallel", Replicas)
-    flag = "--channels-last" if channels_last else "--no-channels-last"
-    dp_train.main([*SYNTHETIC, "--model", "cnn", "--batch-size", "32", "--max-steps", "1", flag])
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    model = common.build_model("cnn", 1, 10).to(memory_format=fmt)
+    replica = copy.deepcopy(dp_train.Autocast(model, None, fmt))
+    for p in replica.parameters():
+        p.data = nchw(p.data)  # as replicate()'s broadcast copies are
+    for conv in (m for m in replica.modules() if isinstance(m, nn.Conv2d)):
+        conv.register_forward_hook(record)
+    with torch.no_grad():
+        replica(nchw(torch.randn(4, 1, 28, 28)))
     assert nhwc == {channels_last}
 
 

@@ -515,8 +515,8 @@ def mp_check(out, reference):
     import model_parallel
 
     common.seed_everything(0)  # what model_parallel.py starts from (--seed 0)
-    start = model_parallel.build_model(1, 10).state_dict()
-    ckpt, _ = check_contract(out, model_parallel.build_model(1, 10))
+    start = model_parallel.build_pipeline_cnn(1, 10).state_dict()
+    ckpt, _ = check_contract(out, model_parallel.build_pipeline_cnn(1, 10))
     assert_same_training(ckpt["model"], load_ckpt(reference)["model"], start, CONV_TOL)
 
 

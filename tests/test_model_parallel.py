@@ -83,7 +83,7 @@ def mp_runs(tmp_path_factory):
 
 def initial_model():
     torch.manual_seed(0)  # what model_parallel.py starts from (--seed 0)
-    return model_parallel.build_model(1, 10)
+    return model_parallel.build_pipeline_cnn(1, 10)
 
 
 @pytest.mark.slow
@@ -176,7 +176,7 @@ def test_output_contract(mp_runs, initial_test_loss, name):
     assert metrics["test_loss"] < initial_test_loss  # it learnt
     # The checkpoint holds the WHOLE model (both stages' weights, original names), not a stage.
     ckpt = load_ckpt(out)
-    model = model_parallel.build_model(1, 10)
+    model = model_parallel.build_pipeline_cnn(1, 10)
     model.load_state_dict(ckpt["model"], strict=True)
     assert list(ckpt["model"]) == list(model.state_dict())
     assert sorted(ckpt["momentum"]) == sorted(name for name, _ in model.named_parameters())
@@ -193,7 +193,7 @@ def test_evaluation_equals_one_process(mp_runs, name):
     process's on the same weights, over every one of the 499 test samples."""
     out, _ = mp_runs(name)
     _, test_set, num_classes, in_channels = common.load_datasets("synthetic", "data")
-    model = model_parallel.build_model(in_channels, num_classes)
+    model = model_parallel.build_pipeline_cnn(in_channels, num_classes)
     model.load_state_dict(load_ckpt(out)["model"])
     loader = DataLoader(test_set, 100, collate_fn=common.collate)
     loss, acc = common.evaluate(model, loader, torch.device("cpu"))

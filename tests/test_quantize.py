@@ -180,8 +180,32 @@ def test_bad_input(tmp_path, make, flags, words):
     assert not out.exists() and not json_path.exists()
 
 
-def test_json_into_missing_folder(tmp_path):
-    assert "--json" in fails([*QUICK, "--json", tmp_path / "no" / "q.json"])
+def test_json_and_output_dir_into_missing_folders(tmp_path):
+    """The docstring's `--json runs/q/results.json --output-dir runs/q` on a fresh clone: both
+    folders are made, as the training scripts make theirs."""
+    report, out = tmp_path / "runs" / "q" / "results.json", tmp_path / "runs" / "int8"
+    quantize.main(
+        list(
+            map(
+                str,
+                [
+                    *QUICK,
+                    "--model",
+                    "mlp",
+                    "--epochs",
+                    "1",
+                    "--runs",
+                    "1",
+                    "--json",
+                    report,
+                    "--output-dir",
+                    out,
+                ],
+            )
+        )
+    )
+    assert json.loads(report.read_text())["model"] == "mlp"
+    assert (out / "model_int8.pt").is_file()
 
 
 def test_one_line_error_from_a_real_process(tmp_path):

@@ -64,7 +64,7 @@ def test_ddp_mp_spawn(ddp_run, tmp_path):
 def test_dp_train(tmp_path):
     # --batch-size is DataParallel's whole batch: 256 matches 2 DDP processes of 128 each.
     proc = run_python(["dp_train.py", *CNN_ARGS, "--batch-size", "256", "--output-dir", tmp_path])
-    assert "DataParallel over 0 GPU(s) (cpu)" in proc.stdout
+    assert "the CPU, no DataParallel" in proc.stdout
     check_outputs(tmp_path, proc.stdout, world_size=1)
 
 

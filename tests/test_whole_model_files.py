@@ -1,0 +1,121 @@
+"""quantize.py and finetune.py take a model in either file form the training scripts write:
+a checkpoint.pt whose "model" is the state_dict (ddp_train.py and its copies, finetune.py),
+or model.pt, the whole model's plain state_dict (fsdp_train.py, tensor_parallel.py). Each
+loads the weights themselves (the fp32 accuracy is the trained model's, the tensors are the
+file's), and a file of another network stops with one line."""
+
+import json
+
+import pytest
+import torch
+from conftest import SYNTHETIC, read_metrics, run_python
+from torch.utils.data import DataLoader
+
+import common
+import finetune
+import quantize
+
+pytestmark = [  # torch.ao.quantization's notices (quantize.py silences them in its own runs)
+    pytest.mark.filterwarnings("ignore:torch.ao.quantization is deprecated:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning"),
+    pytest.mark.filterwarnings("ignore:Please use quant_min and quant_max:UserWarning"),
+    pytest.mark.filterwarnings("ignore:TypedStorage is deprecated:UserWarning"),
+]
+QUICK = ["--data", "synthetic", "--runs", "1"]
+
+
+def fails(main, argv):
+    with pytest.raises(SystemExit) as excinfo:
+        main(list(map(str, argv)))
+    message = excinfo.value.code
+    assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message
+    return message
+
+
+def test_quantize_takes_a_plain_state_dict(tmp_path):
+    """An MLP's weights as model.pt holds them: fp32's accuracy is that model's own."""
+    torch.manual_seed(1)
+    model = common.build_model("mlp", 1, 10)
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    _, test_set, _, _ = common.load_datasets("synthetic", "unused")
+    loader = DataLoader(test_set, batch_size=100, collate_fn=common.collate)
+    _, accuracy = common.evaluate(model, loader, torch.device("cpu"))
+    report = tmp_path / "q.json"
+    argv = [*QUICK, "--checkpoint", tmp_path / "model.pt", "--model", "mlp", "--json", report]
+    quantize.main(list(map(str, argv)))
+    fp32 = json.loads(report.read_text())["results"][0]
+    assert fp32["method"] == "fp32" and fp32["accuracy"] == pytest.approx(accuracy, abs=1e-9)
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (lambda: common.build_model("mlp", 1, 10).state_dict(), "does not fit this model"),
+        (lambda: {"weight": torch.zeros(2), "note": "text"}, "neither a checkpoint"),
+        (lambda: [torch.zeros(2)], "neither a checkpoint"),
+    ],
+)
+def test_quantize_refuses_what_does_not_fit(tmp_path, content, words):
+    """model.pt of an MLP with the default --model cnn (it records no --model), and files
+    that hold no state_dict: one line, nothing written."""
+    torch.save(content(), tmp_path / "model.pt")
+    out = tmp_path / "out"
+    argv = [*QUICK, "--checkpoint", tmp_path / "model.pt", "--output-dir", out]
+    assert words in fails(quantize.main, [*argv, "--json", out / "q.json"])
+    assert not out.exists()
+
+
+def test_finetune_takes_a_resnet_state_dict(tmp_path):
+    """common.py's ResNet-18 (as fsdp_train.py --model resnet18 saves it): every tensor but the
+    1-channel 3x3 stem and the head loads, with the file's values."""
+    torch.manual_seed(1)
+    state = common.build_model("resnet18", 1, 10).state_dict()
+    torch.save(state, tmp_path / "model.pt")
+    args = finetune.get_args(["--weights-file", str(tmp_path / "model.pt")])
+    model, new = finetune.build_pretrained_resnet(args, num_classes=5)
+    assert new == {"conv1.weight", "fc.weight", "fc.bias"}
+    loaded = model.state_dict()
+    for key in set(state) - new:
+        assert torch.equal(loaded[key], state[key]), key
+
+
+@pytest.mark.parametrize("name", ["vit", "mlp", "cnn"])
+def test_finetune_refuses_another_network(tmp_path, name):
+    torch.save(common.build_model(name, 1, 10).state_dict(), tmp_path / "model.pt")
+    args = finetune.get_args(["--weights-file", str(tmp_path / "model.pt")])
+    with pytest.raises(SystemExit) as excinfo:
+        finetune.build_pretrained_resnet(args, num_classes=5)
+    assert "does not fit --model resnet18" in excinfo.value.code
+
+
+# ----------------------------------------------------------------------------------------
+# The files real training runs write
+
+
+@pytest.mark.slow
+def test_quantize_reads_fsdp_train_model_pt(tmp_path):
+    """fsdp_train.py's model.pt of an MLP, quantized: fp32's accuracy on the whole test set
+    is the training run's last test accuracy."""
+    train = ["fsdp_train.py", *SYNTHETIC, "--model", "mlp", "--epochs", "1", "--max-steps", "4"]
+    run_python([*train, "--output-dir", tmp_path / "fsdp"])
+    trained = read_metrics(tmp_path / "fsdp")[-1]["test_acc"]
+    report = tmp_path / "q" / "q.json"  # a folder quantize.py makes
+    argv = [*QUICK, "--checkpoint", tmp_path / "fsdp" / "model.pt", "--model", "mlp"]
+    run_python(["quantize.py", *argv, "--json", report])
+    fp32 = json.loads(report.read_text())["results"][0]
+    assert fp32["accuracy"] == pytest.approx(trained, abs=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "script, name", [("fsdp_train.py", "model.pt"), ("ddp_train.py", "checkpoint.pt")]
+)
+def test_finetune_reads_a_trained_resnet18(tmp_path, script, name):
+    """A ResNet-18 trained by fsdp_train.py (model.pt) or ddp_train.py (checkpoint.pt) starts
+    a fine-tuning run: all of it loads but the stem and the head."""
+    train = [script, *SYNTHETIC, "--model", "resnet18", "--epochs", "1", "--max-steps", "1"]
+    run_python([*train, "--batch-size", "16", "--output-dir", tmp_path / "base"], timeout=300)
+    weights = tmp_path / "base" / name
+    argv = ["finetune.py", *SYNTHETIC, "--weights-file", weights, "--image-size", "32"]
+    proc = run_python([*argv, "--epochs", "1", "--max-steps", "1", "--batch-size", "16"])
+    assert f"{weights}: loaded 119 of 122 tensors" in proc.stdout
