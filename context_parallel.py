@@ -301,11 +301,8 @@ def main(argv=None):
         total_steps = args.epochs * steps_per_epoch
 
         group = mesh["cp"].get_group() if cp > 1 else None
-        image_size = train_set[0][0].shape[-1]
-        model = LongViT(
-            in_channels, num_classes, image_size, args.dim, args.heads, group, args.cp_impl
-        )
-        model = model.to(device)
+        model = LongViT(in_channels, num_classes, tokens, args.dim, args.heads, group, args.cp_impl)
+        model = model.to(device)  # tokens: the images' rows, and their size (square)
         if info.distributed:
             # Every process holds the same weights, so their gradients are averaged over the
             # whole mesh, dp x cp (as torchtitan does): FSDP over all processes, each block

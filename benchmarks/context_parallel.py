@@ -5,13 +5,13 @@ long-sequence ViT (context_parallel.py's: each image row a token, 28 tokens).
     python benchmarks/context_parallel.py --global-batch 8 --steps 1
 
 Layouts, each at the same global batch (--global-batch) of random tensors of Fashion-MNIST's
-shape: one process (the whole batch, every token); at 2 processes (one torchrun launch, the
-layouts in turn in the same processes) FSDP as fsdp_train.py (each process half the batch,
-every token) and CP 2 with the ring and with the all-gather (each process the whole batch,
-half the tokens; FSDP over both, as context_parallel.py). Per layout: the median step time
-(forward, backward, AdamW step) over --steps steps after one warm-up step, and the bytes one
-process saves for backward (weights not counted). With more processes than cores they share
-the CPU: compare the ratios of one run, on an otherwise idle machine.
+shape, in turn in one torchrun launch of 2 processes of one thread each: one process alone
+(rank 0, the whole batch, every token, while rank 1 waits), FSDP as fsdp_train.py (each
+process half the batch, every token) and CP 2 with the ring and with the all-gather (each
+process the whole batch, half the tokens; FSDP over both, as context_parallel.py). Per
+layout: the median step time (forward, backward, AdamW step) over --steps steps after one
+warm-up step, and the bytes one process saves for backward (weights not counted). Compare
+the ratios of one run, on an otherwise idle machine with at least 2 cores.
 """
 
 import argparse
@@ -77,10 +77,14 @@ def measure(layout, global_batch, steps, world):
 
 def worker(args):
     info = init_distributed_mode(device="cpu", timeout_s=300)
-    layouts = ["1 process"] if info.world_size == 1 else ["fsdp 2", "cp 2 ring", "cp 2 allgather"]
     try:
-        for layout in layouts:
-            result = measure(layout, args.global_batch, args.steps, info.world_size)
+        for layout in ("1 process", "fsdp 2", "cp 2 ring", "cp 2 allgather"):
+            if layout == "1 process":  # rank 0 alone, as many threads as each process after
+                alone = info.rank == 0
+                result = measure(layout, args.global_batch, args.steps, 1) if alone else None
+                dist.barrier()
+            else:
+                result = measure(layout, args.global_batch, args.steps, info.world_size)
             if info.rank == 0:
                 print(json.dumps(dict(layout=layout, **result)), flush=True)
     finally:
@@ -95,13 +99,11 @@ def main():
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    rows = []
-    for world in (1, 2):
-        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += [f"--nproc_per_node={world}", __file__, "--worker", *sys.argv[1:]]
-        out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-        rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [__file__, "--worker", *sys.argv[1:]]
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     for row in rows:
         print(json.dumps(row))
     one, fsdp = rows[0], next(r for r in rows if r["layout"] == "fsdp 2")
