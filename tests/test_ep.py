@@ -1,0 +1,387 @@
+"""expert_parallel.py: EP 2, EP 4 and 2 x EP 2 against one process holding every expert on
+the same global batch (routing, logits, losses, gradients, weights), what each rank holds,
+the all-to-all sizes, resume at another degree, exact evaluation, the export, the metrics,
+bad input, and the benchmark in a small form. All on CPU with gloo."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import (
+    DIST_TIMEOUT,
+    METRIC_KEYS,
+    ROOT,
+    SYNTHETIC,
+    clean_env,
+    one_line_errors,
+    read_metrics,
+    run_python,
+    torchrun,
+)
+
+import common
+import expert_parallel
+
+GLOBAL_BATCH = 12  # 1 x 12; EP 2: 2 x 6; EP 4 and 2 x EP 2: 4 x 3
+STEPS = 4
+BLOCKS, EXPERTS, K, TOKENS = 4, 8, 2, 16  # the defaults; 16 tokens an image (28 px, 7 x 7)
+# AdamW steps that move the weights far beyond the tolerances, with clipping at work (the
+# gradient norms are above 0.5) so that the global norm is checked as well; a capacity
+# factor of 1 drops some choices in every block; a balancing loss large enough to matter.
+FAST = [*SYNTHETIC, "--warmup", "0", "--lr", "0.2", "--clip-grad", "0.05", *DIST_TIMEOUT]
+FAST += ["--capacity-factor", "1", "--aux-loss-weight", "0.1"]
+
+
+def probe(nproc, reports, *flags):
+    """tests/ep_probe.py on nproc processes (one: a plain `python`, every expert): every
+    rank's report, and the output directory."""
+    out = Path(reports) / "out"
+    argv = ["tests/ep_probe.py", reports, "--", *FAST, "--max-steps", str(STEPS)]
+    argv += ["--batch-size", str(GLOBAL_BATCH // nproc), "--output-dir", out, *flags]
+    run_python(argv) if nproc == 1 else torchrun(nproc, argv)
+    ranks = [torch.load(Path(reports, f"rank{r}.pt"), weights_only=False) for r in range(nproc)]
+    return ranks, out
+
+
+def whole(out):
+    return torch.load(out / "model.pt", map_location="cpu", weights_only=True)
+
+
+def initial():
+    common.seed_everything(0)  # what expert_parallel.py builds first
+    return expert_parallel.MoEViT(1, 10, 28, 96, 4, EXPERTS, K, 1.0).state_dict()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, every expert, batch 12, STEPS steps."""
+    return probe(1, tmp_path_factory.mktemp("ep_reference"))
+
+
+@pytest.fixture(scope="module")
+def ep2(tmp_path_factory):
+    """EP 2 (2 processes of 6 samples, 4 experts each): a checkpoint in two ranks' pieces."""
+    tmp = tmp_path_factory.mktemp("ep2")
+    return probe(2, tmp, "--export", tmp / "exported.pt")
+
+
+def by_image(t):  # a routing tensor (tokens, k) as (images, tokens, k)
+    return t.view(-1, TOKENS, K)
+
+
+def assert_same_steps(got, reference):
+    """Step by step: each rank's routing, logits and losses for its samples (rank r of W holds
+    the global batch's samples r, r + W, ...); the mean of the ranks' losses (cross-entropy and
+    balancing) is the one process's; every parameter's whole gradient, router and experts
+    included, the same on every rank; then the weights saved at the end. Gradients and weights
+    as whole tensors: the difference at most 1e-4 of the norm (as in tests/test_tp.py)."""
+    (ranks, out), ([ref], ref_out) = got, reference
+    world = len(ranks)
+    assert len(ref["losses"]) == STEPS and len(ref["routes"]) == STEPS * BLOCKS
+    for step in range(STEPS):
+        for r, seen in enumerate(ranks):
+            logits, labels = ref["logits"][step][r::world], ref["labels"][step][r::world]
+            assert torch.equal(seen["labels"][step], labels), step  # the same samples
+            torch.testing.assert_close(seen["logits"][step], logits, atol=1e-5, rtol=1e-4)
+            loss = F.cross_entropy(logits, labels, label_smoothing=0.1).item()
+            assert seen["losses"][step] == pytest.approx(loss, abs=1e-5), step
+            for block in range(BLOCKS):
+                (expert, kept), at = ref["routes"][step * BLOCKS + block], step * BLOCKS + block
+                assert torch.equal(by_image(seen["routes"][at][0]), by_image(expert)[r::world])
+                assert torch.equal(by_image(seen["routes"][at][1]), by_image(kept)[r::world])
+        aux = torch.tensor([seen["aux"][step] for seen in ranks]).mean(0)
+        torch.testing.assert_close(aux, torch.tensor(ref["aux"][step]), atol=1e-6, rtol=1e-5)
+        ref_grads = ref["grads"][step]
+        for seen in ranks:
+            grads = seen["grads"][step]
+            assert grads.keys() == ref_grads.keys()
+            for name, g in ref_grads.items():
+                assert g.norm() > 0, name  # the test can fail: every tensor has a gradient
+                assert (grads[name] - g).norm() <= 1e-4 * g.norm(), (step, name)
+        norms = [s["norms"][step] for s in ranks]
+        assert norms == pytest.approx([ref["norms"][step]] * world, rel=1e-5)
+    assert min(ref["norms"]) > 0.5  # above --clip-grad: clipping scaled every step
+    kept = torch.stack([k for _, k in ref["routes"]])
+    assert 0 < (~kept).sum() < kept.numel() / 2  # some choices dropped, most kept
+    last, ref_last = read_metrics(out)[-1], read_metrics(ref_out)[-1]
+    assert last["test_loss"] == pytest.approx(ref_last["test_loss"], abs=1e-4)
+    assert last["test_acc"] == pytest.approx(ref_last["test_acc"], abs=1.1 / 499)
+    # metrics.jsonl: per block, the choices each expert took and those dropped, over all ranks
+    routes = ref["routes"]
+    for block in range(BLOCKS):
+        expert = torch.cat([routes[s * BLOCKS + block][0] for s in range(STEPS)])
+        kept = torch.cat([routes[s * BLOCKS + block][1] for s in range(STEPS)])
+        took = torch.bincount(expert[kept], minlength=EXPERTS).tolist()
+        assert last["expert_tokens"][block] == ref_last["expert_tokens"][block] == took
+        assert last["dropped_tokens"][block] == (~kept).sum().item()
+    a, b, start = whole(out), whole(ref_out), initial()
+    assert a.keys() == b.keys() == start.keys()
+    for key in b:
+        update = (b[key] - start[key]).norm()
+        assert update > 1e-3, key  # the steps moved every tensor, well beyond the tolerance
+        assert (a[key] - b[key]).norm() < 1e-3 * update, key
+
+
+def assert_sizes_match_routing(got, reference, ep):
+    """Each all-to-all of rows sends, to each rank of the EP group, as many rows as this
+    rank's tokens chose (and kept) experts there, and receives as many as the group's other
+    ranks' tokens chose experts here; the second returns them (sizes swapped)."""
+    (ranks, _), ([ref], _) = got, reference
+    world, mine = len(ranks), EXPERTS // ep
+    for r, seen in enumerate(ranks):
+        group = [r // ep * ep + i for i in range(ep)]  # its EP group: consecutive ranks
+        assert len(seen["sizes"]) >= 2 * STEPS * BLOCKS
+        for at in range(STEPS * BLOCKS):
+            expert, kept = (by_image(t) for t in ref["routes"][at])
+
+            def rows(src, dst, expert=expert, kept=kept):  # src tokens to dst experts
+                e, k = expert[src::world], kept[src::world]
+                return (k & (e // mine == dst % ep)).sum().item()
+
+            send, recv = seen["sizes"][2 * at]
+            assert send == [rows(r, d) for d in group], at
+            assert recv == [rows(s, r) for s in group], at
+            assert seen["sizes"][2 * at + 1] == (recv, send)
+
+
+def assert_each_rank_holds_its_experts(got, ep):
+    """Rank r holds experts (r mod ep) x E/ep onwards, of every block: those experts' weights
+    as in model.pt, and AdamW state of their shape; every other tensor whole."""
+    ranks, out = got
+    full, mine = whole(out), EXPERTS // ep
+    for r, seen in enumerate(ranks):
+        first = r % ep * mine
+        assert len(seen["pieces"]) == len(full)
+        for name, shape, piece, state in seen["pieces"]:
+            assert list(full[name].shape) == shape
+            expected = full[name]
+            if name.split(".")[-1] in ("w1", "b1", "w2", "b2"):
+                assert shape[0] == EXPERTS
+                expected = expected[first : first + mine]
+            assert torch.equal(piece, expected), (r, name)
+            assert state == [list(piece.shape)] * 2, (r, name)
+
+
+@pytest.mark.slow
+def test_ep2_takes_the_steps_of_one_process(ep2, reference):
+    assert_same_steps(ep2, reference)
+    assert_sizes_match_routing(ep2, reference, 2)
+    assert_each_rank_holds_its_experts(ep2, 2)
+    _, out = ep2
+    assert read_metrics(out)[-1].keys() >= METRIC_KEYS | {"step", "world_size", "ep"}
+    exported = torch.load(out.parent / "exported.pt", weights_only=True)
+    assert exported.keys() == whole(out).keys()
+    assert all(torch.equal(exported[k], whole(out)[k]) for k in exported)  # --export: the same
+
+
+@pytest.mark.slow
+def test_ep4_takes_the_steps_of_one_process(tmp_path, reference):
+    run = probe(4, tmp_path)
+    assert_same_steps(run, reference)
+    assert_sizes_match_routing(run, reference, 4)
+    assert_each_rank_holds_its_experts(run, 4)
+
+
+@pytest.mark.slow
+def test_two_replicas_of_ep2_take_the_steps_of_one_process(tmp_path, reference):
+    """4 processes, --ep 2: ranks 0 and 2 hold experts 0-3, ranks 1 and 3 experts 4-7; each
+    expert's gradient averaged over its two holders too."""
+    run = probe(4, tmp_path, "--ep", "2")
+    assert_same_steps(run, reference)
+    assert_sizes_match_routing(run, reference, 2)
+    assert_each_rank_holds_its_experts(run, 2)
+
+
+@pytest.mark.slow
+def test_resume_at_another_degree_ends_where_one_run_ends(tmp_path, reference):
+    """EP 2 stops after 2 of 4 steps; EP 4 goes on from its pieces (the experts re-placed),
+    mid-epoch, and ends with the weights of the uninterrupted single process."""
+    out = tmp_path / "run"
+    argv = ["expert_parallel.py", *FAST, "--output-dir", out, "--max-steps", str(STEPS)]
+    torchrun(2, [*argv, "--batch-size", "6", "--max-steps", "2"])
+    proc = torchrun(4, [*argv, "--batch-size", "3"])
+    assert "at epoch 0, step 2 of" in proc.stdout, proc.stdout
+    a, b = whole(out), whole(reference[1])
+    for key, start in initial().items():
+        assert (a[key] - b[key]).norm() < 1e-3 * (b[key] - start).norm(), key
+
+
+def eval_only(nproc, checkpoint, *flags):
+    # Test batches of 2 x 83: at 4 processes the ranks hold 125, 125, 125 and 124 of the 499
+    # test samples, in 1 batch each; at 2, 250 and 249 in 2 each; at 3, 167, 166 and 166.
+    argv = ["expert_parallel.py", *SYNTHETIC, "--batch-size", "83", *flags]
+    argv += ["--eval-only", "--resume", checkpoint, "--capacity-factor", "1"]
+    proc = run_python(argv) if nproc == 1 else torchrun(nproc, argv)
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("eval ")]
+    loss, acc = line.split("test_loss ")[1].split(" test_acc ")
+    return float(loss), float(acc.split()[0])
+
+
+@pytest.mark.slow
+def test_evaluation_is_exact_at_every_degree_and_the_export_loads_alone(ep2):
+    """model.pt in one process with every expert, at a batch of 256: the accuracy of
+    metrics.jsonl; --eval-only of the checkpoint at 1, 2 and 4 processes (EP 1, 2, 4), and at
+    4 as 2 x EP 2 (with the ranks' batches uneven, 1 process 3 batches), the same."""
+    _, out = ep2
+    model = expert_parallel.MoEViT(1, 10, 28, 96, 4, EXPERTS, K, 1.0)
+    model.load_state_dict(whole(out))
+    _, test_set, _, _ = common.load_datasets("synthetic", "data")
+    loader = torch.utils.data.DataLoader(test_set, 256, collate_fn=common.collate)
+    loss, acc = common.evaluate(model, loader, torch.device("cpu"))
+    assert read_metrics(out)[-1]["test_acc"] == acc
+    assert read_metrics(out)[-1]["test_loss"] == pytest.approx(loss, abs=1e-6)
+    expected = pytest.approx((round(loss, 4), round(acc, 4)), abs=1.1e-4)
+    for nproc, flags in [(1, []), (2, []), (4, []), (4, ["--ep", "2"])]:
+        assert eval_only(nproc, out / "checkpoint", *flags) == expected, (nproc, flags)
+
+
+@pytest.mark.parametrize(
+    "flags, world, expected",
+    [
+        (["--experts", "6"], 4, "EP degree 4 does not divide the 6 experts"),
+        (["--ep", "2"], 3, "EP degree 2 does not divide the 3 processes"),
+        (["--ep", "2"], 1, "EP degree 2 does not divide the 1 processes"),
+    ],
+)
+def test_impossible_ep_degree_is_refused_before_any_collective(no_launcher, flags, world, expected):
+    """Checked by every rank alike before the mesh is made, so one pretended rank shows it."""
+    info = common.DistInfo(world > 1, 0, 0, world, world, torch.device("cpu"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(expert_parallel, "init_distributed_mode", lambda **_: info)
+        patch.setattr(expert_parallel, "init_device_mesh", None)  # reached: a TypeError
+        with pytest.raises(SystemExit, match=expected):
+            expert_parallel.main([*FAST, *flags])
+
+
+@pytest.mark.slow
+def test_ep_degree_that_does_not_divide_the_experts_is_one_line_on_every_rank():
+    errors = one_line_errors("expert_parallel.py", [*FAST, "--experts", "3"])
+    assert all("EP degree 2 does not divide the 3 experts" in e for e in errors), errors
+
+
+def test_refusals(no_launcher):
+    for flags, expected in [
+        (["--top-k", "3", "--experts", "2"], "--top-k 3 is more than the 2 experts"),
+        (["--capacity-factor", "0"], "--capacity-factor must be positive"),
+        (["--ep", "0"], "--ep must be at least 1"),
+        (["--aux-loss-weight", "-1"], "--aux-loss-weight cannot be negative"),
+    ]:
+        with pytest.raises(SystemExit, match=expected):
+            expert_parallel.get_args(flags)
+
+
+@pytest.mark.parametrize("case", ["ddp-file", "other-experts", "missing-piece"])
+@pytest.mark.slow
+def test_bad_checkpoint_is_one_line_on_every_rank(tmp_path, ep2, case):
+    bad = tmp_path / "checkpoint"
+    shutil.copytree(ep2[1] / "checkpoint", bad)
+    flags = []
+    if case == "ddp-file":
+        bad = tmp_path / "checkpoint.pt"
+        torch.save(dict(model=initial()), bad)
+    elif case == "other-experts":
+        flags = ["--experts", "4"]
+    else:
+        (bad / "__1_0.distcp").unlink()  # rank 1's: rank 0 could read its own part
+    out = tmp_path / "out"
+    argv = [*FAST, *flags, "--resume", bad, "--output-dir", out, "--batch-size", "6"]
+    errors = one_line_errors("expert_parallel.py", [*argv, "--dist-timeout", "100"])
+    expected = {
+        "ddp-file": "is a single-file checkpoint",
+        "other-experts": "holds a moe-vit of --dim 96 --heads 4 --experts 8 --top-k 2",
+        "missing-piece": "cannot read checkpoint",
+    }[case]
+    assert expected in errors[0] and len(set(errors)) == 1, errors
+    assert not out.exists() or not any(out.iterdir())  # nothing written
+
+
+EMPTY = """
+import json, types, torch, torch.distributed as dist
+import common, expert_parallel as ep
+from torch.distributed.device_mesh import init_device_mesh
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+x = torch.randn(2 * world, 4, 8).abs()  # 2 images a rank, 4 tokens, 8 features: all positive
+
+
+def build():  # 4 experts, top 2, room for every choice; the router picks experts 0 and 1 only
+    torch.manual_seed(1)
+    moe = ep.MoE(8, 4, 2, 4.0).eval()  # eval: no balancing loss, routing alone
+    with torch.no_grad():
+        w = moe.router.weight.abs_()
+        w[2:] *= -1
+    return moe
+
+
+ref = build()
+(ref(x) ** 2).sum().backward()  # one process, every expert, every image
+moe, mesh = build(), init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "ep"))
+ep.shard_experts(types.SimpleNamespace(blocks=[types.SimpleNamespace(mlp=moe)]), mesh)
+sizes = []
+real = ep.all_to_all_single_autograd
+ep.all_to_all_single_autograd = lambda h, recv, send, g: sizes.append((send, recv)) or real(
+    h, recv, send, g
+)
+y = moe(x[2 * rank : 2 * rank + 2])
+(y**2).sum().backward()  # this rank's part of the same sum
+ep.average_gradients(moe, mesh, world)  # the mean over the ranks: world x it is the sum
+diff = {"output": (y - ref(x)[2 * rank : 2 * rank + 2]).abs().max().item()}
+for name, p in moe.named_parameters():
+    mine = ep.local(p.grad) * world
+    full = ref.get_parameter(name).grad
+    full = full.chunk(world)[rank] if name in ("w1", "b1", "w2", "b2") else full
+    diff[name] = [(mine - full).abs().max().item(), mine.abs().sum().item()]
+print(json.dumps(dict(rank=rank, diff=diff, sizes=sizes)))
+common.cleanup()
+"""
+
+
+@pytest.mark.slow
+def test_experts_that_receive_no_token_match_one_process(tmp_path):
+    """Every token picks experts 0 and 1 (rank 0's): rank 1 sends all its rows, receives none,
+    runs its experts on nothing. The outputs and every gradient equal one process's; the idle
+    experts' gradients are zeros (stacked with the busy ones: never None)."""
+    (tmp_path / "empty.py").write_text(EMPTY)
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = run_python([*launch, tmp_path / "empty.py"], env=clean_env(PYTHONPATH=str(ROOT)))
+    reports = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert sorted(r["rank"] for r in reports) == [0, 1]
+    for r in reports:
+        diff, rows = r["diff"], 2 * 4 * 2  # each rank: 2 images x 4 tokens x 2 choices
+        assert diff.pop("output") < 1e-6
+        for name, (d, size) in diff.items():
+            assert d < 1e-5, (r["rank"], name)
+            idle = r["rank"] == 1 and name in ("w1", "b1", "w2", "b2")
+            assert (size == 0) == idle, (r["rank"], name)
+        sent = [[rows, 0], [rows, rows]] if r["rank"] == 0 else [[rows, 0], [0, 0]]
+        assert r["sizes"] == [sent, sent[::-1]], r  # (sent, received) per rank, twice
+
+
+@pytest.mark.slow
+def test_benchmark_counts_the_bytes_each_process_sends():
+    """benchmarks/expert_parallel.py at 2 processes, 4 samples each, one step: EP all-reduces
+    only the whole tensors (its experts are half of them, each on one process); DDP all of
+    the MoE's; the all-to-alls send at most every choice's row out and back, forward and
+    backward, in every block."""
+    argv = ["benchmarks/expert_parallel.py", "--worlds", "2", "--steps", "1", "--batch-size", "4"]
+    rows = {}
+    for line in run_python(argv).stdout.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[1]] = [float(c) for c in cells[2:7]]  # params, a2a, all-reduce, sent, ms
+    ep, moe, dense = rows["moe ep"], rows["moe ddp"], rows["dense ddp"]
+    model = expert_parallel.MoEViT(1, 10, 28, 96, 4, EXPERTS, K, 1.25)
+    mb = lambda n: pytest.approx(n * 4 / 2**20, abs=0.002)  # noqa: E731 - printed to 0.001
+    experts = sum(
+        p.numel() for n, p in model.named_parameters() if n[-2:] in ("w1", "b1", "w2", "b2")
+    )
+    everything = sum(p.numel() for p in model.parameters())
+    assert ep[0] == mb(everything - experts / 2) and moe[0] == mb(everything)
+    assert ep[2] == mb(everything - experts) and moe[2] == mb(everything)  # ring, 2 processes
+    assert dense[2] == mb(sum(p.numel() for p in common.ViT(1, 10, 28).parameters()))
+    bound = BLOCKS * 2 * 2 * (4 * TOKENS * K) * 96  # rows of 96 numbers, at most all sent
+    assert 0 < ep[1] <= bound * 4 / 2**20 and moe[1] == dense[1] == 0
+    assert ep[3] == pytest.approx(ep[1] + ep[2], abs=0.002) and min(r[4] for r in rows.values()) > 0
