@@ -1,6 +1,6 @@
 """Run fsdp_train.main() under a launcher with instruments, and write what they saw to
 REPORTS/rank{RANK}.json: `python -m torch.distributed.run ... tests/fsdp_probe.py MODE REPORTS
--- ARGS`.
+-- ARGS`. MODE may join several with "+" (collectives+clip).
 
 MODE shards: per parameter, its whole shape, the shape of the shard this rank holds, and the
     shapes of its AdamW state on this rank, read off the local tensors at the end of training.
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import common  # noqa: E402
 import fsdp_train  # noqa: E402
 
-mode, reports, argv = sys.argv[1], sys.argv[2], sys.argv[sys.argv.index("--") + 1 :]
+modes, reports, argv = sys.argv[1].split("+"), sys.argv[2], sys.argv[sys.argv.index("--") + 1 :]
 seen = Counter()  # and lists
 optimizers = []
 
@@ -73,7 +73,7 @@ class Sampler(fsdp_train.DistributedSampler):
 
 fsdp_train.DistributedSampler = Sampler
 
-if mode == "collectives":
+if "collectives" in modes:
     # FSDP2's collectives, named by PyTorch release.
     for name, kind in [
         ("all_gather_single", "all_gather"),
@@ -83,7 +83,7 @@ if mode == "collectives":
     ]:
         if hasattr(dist, name):
             count(name, kind)
-elif mode == "recompute":
+if "recompute" in modes:
     real_forward = common.Block.forward
 
     def forward(self, x):
@@ -91,7 +91,7 @@ elif mode == "recompute":
         return real_forward(self, x)
 
     common.Block.forward = forward
-elif mode == "shards":
+if "shards" in modes:
     real_adamw = torch.optim.AdamW
 
     def adamw(*args, **kwargs):
@@ -99,7 +99,7 @@ elif mode == "shards":
         return optimizers[-1]
 
     torch.optim.AdamW = adamw
-elif mode == "clip":
+if "clip" in modes:
     real_clip = torch.nn.utils.clip_grad_norm_
 
     def clip(*args, **kwargs):
@@ -109,7 +109,7 @@ elif mode == "clip":
         return norm
 
     torch.nn.utils.clip_grad_norm_ = clip
-elif mode == "crash-in-save":
+if "crash-in-save" in modes:
     import torch.distributed.checkpoint as dcp
 
     real_save = dcp.save
@@ -121,7 +121,7 @@ elif mode == "crash-in-save":
             os._exit(9)  # every rank, after its shards and before meta.pt and the renames
 
     dcp.save = save  # what common.save_sharded calls
-elif mode == "crash-in-async-save":
+if "crash-in-async-save" in modes:
     import torch.distributed.checkpoint as dcp
 
     real_async_save = dcp.async_save
@@ -134,7 +134,7 @@ elif mode == "crash-in-async-save":
         return future
 
     dcp.async_save = async_save
-elif mode == "build":
+if "build" in modes:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     real_fully_shard, real_build = fsdp_train.fully_shard, fsdp_train.build_sharded

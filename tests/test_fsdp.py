@@ -350,15 +350,21 @@ def test_init_from_a_file_that_does_not_fit_is_one_line_on_every_rank(tmp_path):
 
 
 @pytest.mark.slow
-def test_accumulation_reduce_scatters_once_per_step_and_equals_the_whole_batch(
-    tmp_path, references
-):
-    """2 micro-batches of 3 per rank at 2 processes: one step on 12, as one process takes it,
-    and one reduce-scatter per unit and step, not per micro-batch."""
-    seen, out = run_probe("collectives", 2, tmp_path, "--accum-steps", "2", batch=3)
+def test_accumulation_reduce_scatters_once_per_step_and_equals_the_whole_batch(tmp_path):
+    """2 micro-batches of 3 per rank at 2 processes: one step on 12, as one process takes it
+    (gradient norms before clipping, weights), and one reduce-scatter per unit and step, not
+    per micro-batch. The norms see a gradient summed over micro-batches instead of averaged,
+    which AdamW's steps, scale-free, would not show."""
+    clip = ["--clip-grad", "0.05"]
+    one, one_out = run_probe("clip", 1, tmp_path / "1", *clip)
+    seen, out = run_probe(
+        "collectives+clip", 2, tmp_path / "2", *clip, "--accum-steps", "2", batch=3
+    )
     depth = len(common.build_model("vit", 1, 10).blocks)
     assert seen[0]["reduce_scatter backward float32"] == 5 * (depth + 1)
-    assert_same_training(out, references["vit"], "vit")
+    assert min(one[0]["norms"]) > 0.5  # clipping acts at every step
+    assert seen[0]["norms"] == pytest.approx(one[0]["norms"], rel=1e-5)
+    assert_same_training(out, one_out, "vit")
 
 
 @pytest.mark.slow
