@@ -322,9 +322,11 @@ def weights_file(path, model, wrapped):
     return state
 
 
-@pytest.mark.parametrize(
-    "nproc, model, wrapped", [(1, "mlp", False), (2, "cnn", False), (3, "vit", True)]
-)
+INIT_CASES = [(1, "mlp", False), (2, "cnn", False)]
+INIT_CASES.append(pytest.param(3, "vit", True, marks=pytest.mark.slow))
+
+
+@pytest.mark.parametrize("nproc, model, wrapped", INIT_CASES)
 def test_init_from_fills_the_shards_with_the_files_weights(tmp_path, nproc, model, wrapped):
     state = weights_file(tmp_path / "weights.pt", model, wrapped)
     flags = ["--init-from", tmp_path / "weights.pt", "--max-steps", "1"]
