@@ -416,6 +416,27 @@ def test_dp_train_bf16(run):
     assert_same_training(ckpt["model"], load_ckpt(reference)["model"], initial(run, "mlp"), AMP_TOL)
 
 
+def test_dp_train_device_cpu_beside_gpus(run):
+    """dp_train.py --device cpu on a machine with GPUs trains on the CPU: nn.DataParallel,
+    which takes every visible GPU whatever the model's device, is not built (it moved the model
+    to cuda:0, and with two GPUs refused it). The same training as ddp_train.py on the CPU."""
+    flags = ["--data", "synthetic", *MLP_STEPS, "--device", "cpu"]
+    out, proc = run("dp_train.py", flags)
+    assert "the CPU, no DataParallel" in proc.stdout
+    ckpt, _ = check_contract(out, ddp_model("mlp"))
+    reference, _ = run("ddp_train.py", [*MLP, "--device", "cpu"])
+    assert max_abs_diff(ckpt["model"], load_ckpt(reference)["model"]) < 1e-5
+
+
+@cuda_only
+def test_bf16_note_only_before_ampere(run):
+    """--amp bf16 prints the emulation note on a GPU before Ampere (compute capability 8.0)
+    and nothing on a later one: this GPU's answer, as the run sees it."""
+    _, proc = run("ddp_train.py", [*MLP, "--amp", "bf16"], nproc=1)
+    before_ampere = torch.cuda.get_device_capability(0)[0] < 8
+    assert ("is emulated and slow" in proc.stdout) == before_ampere, proc.stdout
+
+
 @contextlib.contextmanager
 def output_dtypes(module):
     """Collects the dtypes that the Linear and Conv2d layers inside `module` output, from
@@ -529,6 +550,10 @@ def test_model_parallel_devices(run, devices):
 
 
 @two_gpus
+@pytest.mark.skipif(
+    tuple(map(int, torch.__version__.split(".")[:2])) < (2, 9),
+    reason="model_parallel.py's one stage per process needs PyTorch 2.9 or newer",
+)
 def test_model_parallel_one_stage_per_process(run):
     """Two stages under torchrun, one GPU each (NCCL send/recv between them)."""
     reference = mp_reference(run)
