@@ -1,6 +1,7 @@
 """Run context_parallel.main() with instruments and write what rank 0 saw to REPORTS/rank0.pt
 (every rank: REPORTS/rank{RANK}.pt): `python -m torch.distributed.run ... tests/cp_probe.py
-REPORTS -- ARGS`.
+REPORTS [TRAIN] -- ARGS`. With TRAIN, the training set is cut to its first TRAIN samples, so
+that an epoch lasts a few steps and a short run crosses an epoch boundary.
 
 Per training step: the logits and labels of this rank's batch, the loss, the norm that
 clip_grad_norm_ returned, and every parameter's whole gradient as the optimizer is about to
@@ -16,8 +17,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import context_parallel  # noqa: E402
+from common import InMemoryDataset  # noqa: E402
 
-reports, argv = sys.argv[1], sys.argv[sys.argv.index("--") + 1 :]
+reports, *train = sys.argv[1 : sys.argv.index("--")]
+argv = sys.argv[sys.argv.index("--") + 1 :]
 seen = dict(logits=[], labels=[], losses=[], norms=[], grads=[])
 names = {}
 
@@ -40,6 +43,18 @@ def clip_grad_norm_(*args, **kwargs):
     return norm
 
 
+real_load = context_parallel.load_datasets
+
+
+def load_datasets(*args, **kwargs):
+    train_set, *rest = real_load(*args, **kwargs)
+    if train:
+        n = int(train[0])
+        train_set = InMemoryDataset(train_set.images[:n], train_set.labels[:n], train_set.classes)
+    return train_set, *rest
+
+
+context_parallel.load_datasets = load_datasets
 functional = vars(torch.nn.functional) | dict(cross_entropy=cross_entropy)
 context_parallel.F = types.SimpleNamespace(**functional)
 context_parallel.nn = types.SimpleNamespace(

@@ -27,20 +27,27 @@ import context_parallel
 
 GLOBAL_BATCH = 12  # 1 x 12; CP 2: one group of 12; 2 x 2: two groups of 6
 STEPS = 4
+TRAIN = 24  # the resume test's training set: 2 steps an epoch, STEPS steps cross into epoch 1
 # AdamW steps that move the weights far beyond the tolerances, with clipping at work
 # (the gradient norms are above 0.5) so that the global norm is checked as well.
 FAST = [*SYNTHETIC, "--warmup", "0", "--lr", "0.5", "--clip-grad", "0.05", *DIST_TIMEOUT]
 IMPLS = ["ring", "allgather"]
 
 
-def probe(nproc, reports, *flags, dp=1):
+def probe_argv(reports, *flags, dp=1, train=()):
+    """tests/cp_probe.py's command line: STEPS steps (on the first `train` samples, if given),
+    into REPORTS/out."""
+    argv = ["tests/cp_probe.py", reports, *train, "--", *FAST, "--max-steps", STEPS]
+    argv += ["--batch-size", GLOBAL_BATCH // dp, "--dp", dp, "--output-dir", Path(reports, "out")]
+    return argv + list(flags)
+
+
+def probe(nproc, reports, *flags, dp=1, train=()):
     """tests/cp_probe.py on nproc processes (one: a plain `python`, unsplit): rank 0's report
     and the output directory."""
-    out = Path(reports) / "out"
-    argv = ["tests/cp_probe.py", reports, "--", *FAST, "--max-steps", str(STEPS)]
-    argv += ["--batch-size", str(GLOBAL_BATCH // dp), "--dp", str(dp), "--output-dir", out]
-    run_python(argv + list(flags)) if nproc == 1 else torchrun(nproc, argv + list(flags))
-    return torch.load(Path(reports, "rank0.pt"), weights_only=False), out
+    argv = probe_argv(reports, *flags, dp=dp, train=train)
+    run_python(argv) if nproc == 1 else torchrun(nproc, argv)
+    return torch.load(Path(reports, "rank0.pt"), weights_only=False), Path(reports, "out")
 
 
 def whole(out):
@@ -219,15 +226,20 @@ def test_ring_equals_allgather_and_what_each_sends_and_saves(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_at_another_degree_ends_where_one_run_ends(tmp_path, reference):
-    """CP 2 stops after 2 of 4 steps; 2 x 2 (all-gather) goes on from its shards, mid-epoch,
-    and ends with the weights of the uninterrupted single process."""
-    out = tmp_path / "run"
-    argv = ["context_parallel.py", *FAST, "--output-dir", out, "--max-steps", str(STEPS)]
-    torchrun(2, [*argv, "--batch-size", "12", "--max-steps", "2"])
-    proc = torchrun(4, [*argv, "--batch-size", "6", "--dp", "2", "--cp-impl", "allgather"])
-    assert "at epoch 0, step 2 of" in proc.stdout, proc.stdout
-    a, b = whole(out), whole(reference[1])
+def test_resume_at_another_degree_ends_where_one_run_ends(tmp_path):
+    """On TRAIN samples (2 steps an epoch): CP 2 (ring) stops after 3 of 4 steps, in epoch 1;
+    2 x 2 (all-gather) goes on from its shards with epoch 1's next batch (its order, its
+    position, the schedule's step) and ends with the uninterrupted process's weights."""
+    ref, ref_out = probe(1, tmp_path / "one", train=[TRAIN])
+    epoch_1 = torch.cat(ref["labels"][2:])
+    assert not torch.equal(epoch_1, torch.cat(ref["labels"][:2]))  # a new order
+    run = tmp_path / "run"
+    torchrun(2, probe_argv(run, "--max-steps", STEPS - 1, train=[TRAIN]))
+    proc = torchrun(4, probe_argv(run, "--cp-impl", "allgather", dp=2, train=[TRAIN]))
+    assert "at epoch 1, step 1 of 2" in proc.stdout, proc.stdout
+    seen = torch.load(run / "rank0.pt", weights_only=False)
+    assert len(seen["labels"]) == 1 and torch.equal(seen["labels"][0], ref["labels"][-1][::2])
+    a, b = whole(run / "out"), whole(ref_out)
     for key, start in initial().items():
         assert (a[key] - b[key]).norm() < 1e-3 * (b[key] - start).norm(), key
 
