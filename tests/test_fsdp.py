@@ -452,3 +452,19 @@ def test_each_epoch_takes_a_new_order_and_the_global_batches_of_one_process(tmp_
     losses = [[m["train_loss"] for m in read_metrics(out)] for out in (one_out, two_out)]
     assert len(losses[0]) == 2 and losses[1] == pytest.approx(losses[0], rel=1e-5)
     assert_same_training(two_out, one_out, "mlp")
+
+
+@pytest.mark.slow
+def test_memory_benchmark_counts_the_shards_and_measures_each_rank(tmp_path):
+    """benchmarks/fsdp_memory.py in a small form: DDP's ranks each hold the weights, their
+    gradients and two AdamW moments whole, FSDP's half of each; every rank measured a peak."""
+    small = ["--worlds", "2", "--dim", "64", "--depth", "2", "--heads", "2", "--steps", "1"]
+    report = tmp_path / "rows.json"
+    run_python(["benchmarks/fsdp_memory.py", *small, "--layouts", "ddp", "fsdp", "--json", report])
+    rows = {r["layout"]: r for r in json.loads(report.read_text())}
+    whole = 4 * 4 * rows["ddp"]["n_params"]  # fp32 weights, gradients, exp_avg, exp_avg_sq
+    assert sum(rows["ddp"][k] for k in ("params", "grads", "optimizer")) == whole
+    vit = common.ViT(1, 10, 28, dim=64, depth=2, heads=2)
+    rank0 = sum(len(torch.arange(p.shape[0]).chunk(2)[0]) * p[0].numel() for p in vit.parameters())
+    assert sum(rows["fsdp"][k] for k in ("params", "grads", "optimizer")) == 4 * 4 * rank0
+    assert all(r["peak_kb"] > 0 and r["build_kb"] >= 0 for r in rows["fsdp"]["ranks"])
