@@ -179,9 +179,6 @@ class RingAttention(torch.autograd.Function):
                 if step + 1 < size:
                     wait(requests)
                     kv = next_kv
-        # Laid out (N, tokens, heads, d) as SDPA returns it: the projection's input is then a
-        # view of it, not a copy saved for backward once more.
-        out = out.transpose(1, 2).contiguous().transpose(1, 2)
         ctx.save_for_backward(q, k, v, out, lse)  # this process's K/V only: 1/CP of them
         ctx.group, ctx.scale = group, scale
         return out.to(q.dtype)
