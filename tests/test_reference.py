@@ -19,8 +19,11 @@ import common
 
 STEPS = 12
 FLAGS = dict(
-    lr=0.6, momentum=0.8, weight_decay=2e-3, label_smoothing=0.2, warmup=0.1, seed=3, clip_grad=0.5
+    lr=0.6, momentum=0.8, weight_decay=2e-3, label_smoothing=0.2, warmup=0.1, seed=3, clip_grad=1.8
 )
+# --clip-grad 1.8 lies among the 12 steps' gradient norms (1.58 to 1.96): half the steps are
+# clipped, half not. Were every step clipped, clipping would hide a gradient off by a factor
+# (the micro-batches' losses summed, not averaged, passed this test at --clip-grad 0.5).
 PER_RANK, ACCUM, WORLD, EPOCHS = 8, 2, 2, 1  # 62 steps/epoch, 6 of them warm-up
 
 
@@ -43,6 +46,7 @@ def reference_weights():
     # Epoch 0's order: what DistributedSampler shuffles; rank r takes order[r::WORLD], so one
     # step's samples over both ranks are order[32t : 32t + 32].
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(FLAGS["seed"]))
+    norms = []
     for t in range(STEPS):
         # a linear warm-up to the peak, then a cosine decay to zero
         warm, decay = (
@@ -56,9 +60,9 @@ def reference_weights():
         loss = F.cross_entropy(model(images), labels, label_smoothing=FLAGS["label_smoothing"])
         optimizer.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), FLAGS["clip_grad"])
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), FLAGS["clip_grad"]))
         optimizer.step()
-    return model.state_dict()
+    return model.state_dict(), norms
 
 
 @pytest.mark.slow
@@ -76,7 +80,8 @@ def test_two_processes_take_the_reference_steps(tmp_path):
         STEPS,
     ]
     torchrun(WORLD, ["ddp_train.py", *argv, "--output-dir", tmp_path])
-    expected = reference_weights()
+    expected, norms = reference_weights()
+    assert min(norms) < FLAGS["clip_grad"] < max(norms)  # some steps clipped, some not
     got = load_ckpt(tmp_path)["model"]
     assert max_abs_diff(got, expected) < 1e-5
     torch.manual_seed(FLAGS["seed"])
