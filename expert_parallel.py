@@ -17,7 +17,7 @@ Launch (--output-dir: one directory for all processes, on several nodes a shared
     torchrun --standalone --nproc_per_node=2 expert_parallel.py   # EP 2: 4 experts each
     torchrun --standalone --nproc_per_node=4 expert_parallel.py --ep 2   # 2 replicas of EP 2
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
-        --rdzv-id=myjob expert_parallel.py --ep 8   # on each node; EP inside it
+        --rdzv-id=myjob expert_parallel.py --experts 16   # on each node; EP 16, 1 expert each
 
 Checkpoints as in fsdp_train.py: every process writes its pieces, a rerun resumes at any EP
 degree (the experts re-placed), model.pt holds the whole model. --batch-size is per process;
