@@ -153,22 +153,21 @@ class MoE(nn.Module):
         self.group, self.ep = None, 1  # the EP group, and its size
         self.aux_loss = self.load = self.dropped = None  # set by each forward
 
-    def route(self, x, images):
-        """Each token's k experts, their weights, and which of the choices fit."""
-        logits = self.router(x)  # (tokens, E)
+    def route(self, x):
+        """Each token's k experts, their weights, and which of the choices fit, one row each."""
+        logits = self.router(x)  # (images, tokens, E)
         top, expert = logits.topk(self.top_k, dim=-1)
         weight = top.softmax(-1)  # the mix of the token's k outputs (as Mixtral)
         # Capacity: an expert takes at most C of an image's choices, all first choices before
         # any second one, in token order; the rest are dropped (the residual carries the token
         # on). Per image, not per batch: an image's output does not depend on the images
         # beside it, so evaluation is exact at any batch size and number of processes.
-        k, tokens = self.top_k, x.shape[0] // max(images, 1)
+        images, tokens, k = expert.shape
         capacity = math.ceil(self.capacity_factor * k * tokens / self.experts)
-        onehot = F.one_hot(expert, self.experts).view(images, tokens, k, -1)
-        queue = onehot.transpose(1, 2).flatten(1, 2)  # (images, k x tokens, E), by choice rank
+        queue = F.one_hot(expert, self.experts).transpose(1, 2).flatten(1, 2)  # by choice rank
         position = ((queue.cumsum(1) - 1) * queue).sum(-1)  # each choice's place in its queue
-        kept = position.view(images, k, tokens).transpose(1, 2).reshape(-1, k) < capacity
-        return logits, expert, weight, kept
+        kept = position.view(images, k, tokens).transpose(1, 2) < capacity
+        return [t.flatten(0, 1) for t in (logits, expert, weight, kept)]
 
     def balance_loss(self, logits, expert):
         """The Switch Transformer's load-balancing loss, E x sum_e f_e x P_e: f_e the fraction
@@ -183,8 +182,8 @@ class MoE(nn.Module):
 
     def forward(self, x):
         images, tokens, dim = x.shape
+        logits, expert, weight, kept = self.route(x)
         x = x.reshape(-1, dim)
-        logits, expert, weight, kept = self.route(x, images)
         if self.training:
             self.aux_loss = self.balance_loss(logits, expert)
         # The kept choices, one row each, sorted by expert: so by the process that holds it.
@@ -403,8 +402,7 @@ def main(argv=None):
         def save(step):  # all ranks participate
             meta = dict(step=step, steps_per_epoch=steps_per_epoch, rng=rng_state(device))
             meta.update(global_batch=global_batch, args=dict(vars(args), model="moe-vit"))
-            model_state, optim_state = get_state_dict(model, optimizer)
-            save_sharded(out, dict(model=model_state, optimizer=optim_state), meta)
+            save_sharded(out, model, optimizer, meta)
 
         start_epoch = step // steps_per_epoch
         metrics = out / "metrics.jsonl" if out and rank == 0 else None

@@ -46,8 +46,8 @@ expert_parallel.F = types.SimpleNamespace(
 real_route = expert_parallel.MoE.route
 
 
-def route(self, x, images):
-    logits, expert, weight, kept = real_route(self, x, images)
+def route(self, x):
+    logits, expert, weight, kept = real_route(self, x)
     if self.training:
         seen["routes"].append((expert.clone(), kept.clone()))
     return logits, expert, weight, kept
