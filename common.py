@@ -736,14 +736,72 @@ def load_sharded(state, path):
         fail(f"cannot read checkpoint {path}: {first_line(e)}")
 
 
-def save_sharded(out, state, meta, background=False, group=None):
-    """Every rank writes its pieces into OUT/checkpoint.tmp, rank 0 adds meta.pt and renames
-    it to checkpoint: a crash mid-save leaves the previous one whole (all ranks participate).
+def resume_sharded(args, model, optimizer, check, batches, device):
+    """Load --resume or OUTPUT_DIR's checkpoint, if any (all ranks participate): rank 0 finds it
+    and check(path) reads and checks its meta.pt; every rank reads the parts of the saved pieces
+    that make up its own, whatever the layout that saved them. `batches`: this run's (global
+    batch, steps per epoch). Returns (path, the step to go on after), or (None, 0)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = broadcast_object(args.resume or find_sharded(args.output_dir))
+    if not path:
+        return None, 0
+    meta = broadcast_object(together(lambda: check(path), run=is_main_process()))
+    own = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # to be filled in
+    together(lambda: load_sharded(dict(model=model_sd, optimizer=optim_sd), path))
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    if args.eval_only:
+        return path, 0
+    saved = meta["args"]
+    changed = [k for k in ("epochs", "warmup") if saved[k] != getattr(args, k)]
+    if changed:  # the schedule is a function of these: it cannot go on where it was
+        was = ", ".join(f"--{k} {saved[k]}" for k in changed)
+        fail(f"{path} was trained with {was}; resume with the same, or start anew")
+    for group, settings in zip(optimizer.param_groups, own, strict=True):
+        group.update(settings, initial_lr=settings["lr"])  # this run's settings, saved moments
+    # The same global batch and seed make the same global batches at any layout (rank r takes
+    # every world-th sample): go on after the last step saved.
+    steps_per_epoch = batches[1]
+    if (meta["global_batch"], meta["steps_per_epoch"], saved["seed"]) == (*batches, args.seed):
+        step = meta["step"]
+        set_rng_state(meta["rng"], device)
+    else:  # other batches: a half-done epoch starts again, the schedule goes on
+        step = meta["step"] // meta["steps_per_epoch"] * steps_per_epoch
+    epoch, at = divmod(step, steps_per_epoch)
+    print0(f"resumed from {path} at epoch {epoch}, step {at} of {steps_per_epoch}")
+    return path, step
+
+
+def export_whole(model, paths):
+    """The whole model in one file per path that loads without FSDP or DTensor: the pieces
+    gathered into rank 0's CPU memory (all ranks participate) and written there alone."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not (paths := list(paths)):
+        return
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    whole = get_model_state_dict(model, options=options)
+
+    def write():  # a bad path stops every rank
+        for path in paths:
+            atomic_write(path, lambda tmp: torch.save(whole, tmp))
+
+    together(write, run=is_main_process())
+
+
+def save_sharded(out, model, optimizer, meta, background=False, group=None):
+    """Every rank writes its pieces of the model and optimizer into OUT/checkpoint.tmp, rank 0
+    adds meta.pt and renames it to checkpoint: a crash mid-save leaves the previous one whole
+    (all ranks participate).
     In the background: dcp.async_save copies the pieces to CPU memory and writes them in a
     thread while training goes on (`group`: a gloo group of the save's own); call the function
     it returns (all ranks) to wait for the writes and publish the checkpoint."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = dict(model=model_state, optimizer=optim_state)
     tmp, final, old = (Path(out, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.old"))
     if is_main_process():  # a crashed save's, removed before any rank writes (the save's
         shutil.rmtree(tmp, ignore_errors=True)  # first step is collective)

@@ -38,12 +38,6 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import (
@@ -51,29 +45,26 @@ from common import (
     ArgumentParser,
     ViT,
     append_metrics,
-    atomic_write,
-    broadcast_object,
+    build_sharded,
     check_flags,
     check_output_dir,
     cleanup,
     collate,
     eval_shard,
     evaluate,
+    export_whole,
     fail,
     fast_forward,
-    find_sharded,
     init_distributed_mode,
     load_datasets,
-    load_sharded,
     pad_batches,
     peer_failure,
     print0,
     read_sharded_meta,
     reduce_value,
+    resume_sharded,
     rng_state,
     save_sharded,
-    seed_everything,
-    set_rng_state,
     together,
     trim_metrics,
     warmup_cosine,
@@ -251,11 +242,9 @@ def read_meta(path, args, tokens):
     """Rank 0: the checkpoint's step, RNG and flags, after checking that it is one of ours."""
     saved = (meta := read_sharded_meta(path))["args"]
     shape = (saved.get("model", "vit"), saved.get("tokens", 16), saved["dim"], saved["heads"])
-    if shape != ("vit", tokens, args.dim, args.heads):  # a 16-token ViT's pos does not fit
-        fail(
-            f"checkpoint {path} holds a {shape[0]} of {shape[1]} tokens, --dim {shape[2]} "
-            f"--heads {shape[3]}; this is a vit of {tokens}, --dim {args.dim} --heads {args.heads}"
-        )
+    if shape != (want := ("vit", tokens, args.dim, args.heads)):  # a 16-token ViT's pos
+        held = "a {} of {} tokens, --dim {} --heads {}".format  # does not fit
+        fail(f"checkpoint {path} holds {held(*shape)}; this is {held(*want)}")
     return meta
 
 
@@ -283,7 +272,6 @@ def main(argv=None):
         if info.distributed:
             mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
         dp_rank = mesh["dp"].get_local_rank() if mesh else 0
-        seed_everything(args.seed)  # the same initial weights on every rank
 
         if (shard := len(train_set) // dp) < args.batch_size:
             fail(f"--batch-size {args.batch_size} is larger than one group's shard ({shard})")
@@ -298,17 +286,26 @@ def main(argv=None):
         total_steps = args.epochs * steps_per_epoch
 
         group = mesh["cp"].get_group() if cp > 1 else None
-        model = LongViT(in_channels, num_classes, tokens, args.dim, args.heads, group, args.cp_impl)
-        model = model.to(device)  # tokens: the images' rows, and their size (square)
-        if info.distributed:
+        # tokens: the images' rows, and their size (square)
+        build = functools.partial(LongViT, in_channels, num_classes, tokens, args.dim, args.heads)
+        build = functools.partial(build, group, args.cp_impl)
+
+        def shard(model):
+            if not info.distributed:
+                return
             # Every process holds the same weights, so their gradients are averaged over the
             # whole mesh, dp x cp (as torchtitan does): FSDP over all processes, each block
             # then the root, as in fsdp_train.py.
+            everyone = init_device_mesh(device.type, (world,))
             mp = MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.float32)
             policy = mp if args.amp == "bf16" else MixedPrecisionPolicy()
             for block in model.blocks:
-                fully_shard(block, mp_policy=policy)
-            fully_shard(model, mp_policy=policy)
+                fully_shard(block, mesh=everyone, mp_policy=policy)
+            fully_shard(model, mesh=everyone, mp_policy=policy)
+
+        # Built on no device whole, as in fsdp_train.py: each rank's pieces filled from rank
+        # 0's seeded CPU copy (all ranks participate).
+        model = build_sharded(build, shard, device, args.seed)
         use_autocast = args.amp == "bf16" and not info.distributed  # FSDP gives bf16 itself
         autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, use_autocast)
 
@@ -319,32 +316,9 @@ def main(argv=None):
         optimizer = torch.optim.AdamW(model.parameters(), lr, weight_decay=args.weight_decay)
 
         # Resume: rank 0 finds and checks the checkpoint; every rank reads its shards (any mesh).
-        step, meta = 0, None
-        resume = broadcast_object(args.resume or find_sharded(args.output_dir))
-        if resume:
-            check = lambda: read_meta(resume, args, tokens)  # noqa: E731
-            meta = broadcast_object(together(check, run=rank == 0))
-            model_sd, optim_sd = get_state_dict(model, optimizer)  # to be filled in
-            together(lambda: load_sharded(dict(model=model_sd, optimizer=optim_sd), resume))
-            set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-        if resume and not args.eval_only:
-            saved = meta["args"]
-            changed = [k for k in ("epochs", "warmup") if saved[k] != getattr(args, k)]
-            if changed:  # the schedule is a function of these: it cannot go on where it was
-                was = ", ".join(f"--{k} {saved[k]}" for k in changed)
-                fail(f"{resume} was trained with {was}; resume with the same, or start anew")
-            for params in optimizer.param_groups:  # this run's settings, the saved moments
-                params.update(lr=lr, initial_lr=lr, weight_decay=args.weight_decay)
-            # The same global batch and seed make the same global batches at any degree:
-            # go on after the last step saved.
-            same = (meta["global_batch"], meta["steps_per_epoch"], saved["seed"])
-            if same == (global_batch, steps_per_epoch, args.seed):
-                step = meta["step"]
-                set_rng_state(meta["rng"], device)
-            else:  # other batches: a half-done epoch starts again, the schedule goes on
-                step = meta["step"] // meta["steps_per_epoch"] * steps_per_epoch
-            epoch, at = divmod(step, steps_per_epoch)
-            print0(f"resumed from {resume} at epoch {epoch}, step {at} of {steps_per_epoch}")
+        check = functools.partial(read_meta, args=args, tokens=tokens)
+        batches = (global_batch, steps_per_epoch)
+        resume, step = resume_sharded(args, model, optimizer, check, batches, device)
 
         scheduler = warmup_cosine(optimizer, args.warmup, total_steps)  # warm-up, cosine decay
         fast_forward(scheduler, step)  # the rate is a function of the step alone
@@ -352,8 +326,7 @@ def main(argv=None):
         @torch.no_grad()
         def evaluate_all():
             """Exact: a rank with fewer test batches runs empty ones (FSDP's forward is
-            collective); evaluate() sums each CP group's totals cp times, so the ratios are
-            exact."""
+            collective); evaluate() sums each CP group's totals cp times: the ratios are exact."""
             padded = pad_batches(test_loader, test_set[0][0].shape, device)
             return evaluate(model, padded, device, autocast())
 
@@ -364,11 +337,9 @@ def main(argv=None):
 
         def save(step):  # all ranks participate
             meta = dict(step=step, steps_per_epoch=steps_per_epoch, rng=rng_state(device))
-            meta.update(
-                global_batch=global_batch, args=dict(vars(args), model="vit", tokens=tokens)
-            )
-            model_state, optim_state = get_state_dict(model, optimizer)
-            save_sharded(out, dict(model=model_state, optimizer=optim_state), meta)
+            flags = dict(vars(args), model="vit", tokens=tokens)
+            meta.update(global_batch=global_batch, args=flags)
+            save_sharded(out, model, optimizer, meta)
 
         start_epoch = step // steps_per_epoch
         metrics = out / "metrics.jsonl" if out and rank == 0 else None
@@ -431,13 +402,8 @@ def main(argv=None):
                 save(step)  # all ranks participate
 
         # The whole model in one file that loads into common.ViT(patch=(1, 28)) without
-        # DTensor: the shards gathered to rank 0's CPU memory (all ranks participate).
-        if out or args.export:
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            whole = get_model_state_dict(model, options=options)
-            for path in filter(None, [out and out / "model.pt", args.export]):
-                write = functools.partial(atomic_write, path, functools.partial(torch.save, whole))
-                together(write, run=rank == 0)  # a bad --export path stops every rank
+        # DTensor (all ranks participate).
+        export_whole(model, filter(None, [out and out / "model.pt", args.export]))
         if info.distributed:
             dist.barrier()  # leave together (all ranks participate): rank 0 hosts the store
     except RuntimeError as e:
