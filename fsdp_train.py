@@ -270,8 +270,8 @@ def main(argv=None):
             # The RNG is rank 0's: nothing in a step draws random numbers per rank.
             meta = dict(step=step, steps_per_epoch=steps_per_epoch, rng=rng_state(device))
             meta.update(global_batch=global_batch, args=vars(args))
-            done = save_sharded(out, raw_model, optimizer, meta, args.async_save, group)
-            pending.extend(filter(None, [done]))
+            finish = save_sharded(out, raw_model, optimizer, meta, args.async_save, group)
+            pending.extend(filter(None, [finish]))
 
         start_epoch = step // steps_per_epoch
         metrics = out / "metrics.jsonl" if out and rank == 0 else None
@@ -292,8 +292,8 @@ def main(argv=None):
             model.train()
             t0 = time.perf_counter()
             # A mid-epoch resume skips the batches done: the order is a function of the epoch.
-            batches = itertools.islice(train_loader, epoch_step * args.accum_steps, None)
-            for i, (images, labels) in enumerate(batches):
+            micro_batches = itertools.islice(train_loader, epoch_step * args.accum_steps, None)
+            for i, (images, labels) in enumerate(micro_batches):
                 images = images.to(device, non_blocking=True)
                 labels = labels.to(device, non_blocking=True)
                 # Accumulation: on all but a step's last micro-batch, backward keeps each
