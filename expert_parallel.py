@@ -33,12 +33,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import (
@@ -46,30 +40,27 @@ from common import (
     ArgumentParser,
     ViT,
     append_metrics,
-    atomic_write,
-    broadcast_object,
     check_flags,
     check_output_dir,
     cleanup,
     collate,
     eval_shard,
     evaluate,
+    export_whole,
     fail,
     fast_forward,
-    find_sharded,
     get_world_size,
     init_distributed_mode,
     load_datasets,
-    load_sharded,
     pad_batches,
     peer_failure,
     print0,
     read_sharded_meta,
     reduce_value,
+    resume_sharded,
     rng_state,
     save_sharded,
     seed_everything,
-    set_rng_state,
     together,
     trim_metrics,
     warmup_cosine,
@@ -359,31 +350,9 @@ def main(argv=None):
         optimizer = torch.optim.AdamW(model.parameters(), lr, weight_decay=args.weight_decay)
 
         # Resume: rank 0 finds and checks the checkpoint; every rank reads its pieces (any degree).
-        step, meta = 0, None
-        resume = broadcast_object(args.resume or find_sharded(args.output_dir))
-        if resume:
-            meta = broadcast_object(together(lambda: read_meta(resume, args), run=rank == 0))
-            model_sd, optim_sd = get_state_dict(model, optimizer)  # to be filled in
-            together(lambda: load_sharded(dict(model=model_sd, optimizer=optim_sd), resume))
-            set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-        if resume and not args.eval_only:
-            saved = meta["args"]
-            changed = [k for k in ("epochs", "warmup") if saved[k] != getattr(args, k)]
-            if changed:  # the schedule is a function of these: it cannot go on where it was
-                was = ", ".join(f"--{k} {saved[k]}" for k in changed)
-                fail(f"{resume} was trained with {was}; resume with the same, or start anew")
-            for group in optimizer.param_groups:  # this run's settings, the saved moments
-                group.update(lr=lr, initial_lr=lr, weight_decay=args.weight_decay)
-            # The same global batch and seed make the same global batches at any degree:
-            # go on after the last step saved.
-            same = (meta["global_batch"], meta["steps_per_epoch"], saved["seed"])
-            if same == (global_batch, steps_per_epoch, args.seed):
-                step = meta["step"]
-                set_rng_state(meta["rng"], device)
-            else:  # other batches: a half-done epoch starts again, the schedule goes on
-                step = meta["step"] // meta["steps_per_epoch"] * steps_per_epoch
-            epoch, at = divmod(step, steps_per_epoch)
-            print0(f"resumed from {resume} at epoch {epoch}, step {at} of {steps_per_epoch}")
+        check = functools.partial(read_meta, args=args)
+        batches = (global_batch, steps_per_epoch)
+        resume, step = resume_sharded(args, model, optimizer, check, batches, device)
 
         scheduler = warmup_cosine(optimizer, args.warmup, total_steps)  # warm-up, cosine decay
         fast_forward(scheduler, step)  # the rate is a function of the step alone
@@ -477,14 +446,8 @@ def main(argv=None):
             if out:
                 save(step)  # all ranks participate
 
-        # The whole model in one file that loads without DTensor: the experts gathered to rank
-        # 0's CPU memory (all ranks participate), written there alone.
-        if out or args.export:
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            whole = get_model_state_dict(model, options=options)
-            for path in filter(None, [out and out / "model.pt", args.export]):
-                write = functools.partial(atomic_write, path, functools.partial(torch.save, whole))
-                together(write, run=rank == 0)  # a bad --export path stops every rank
+        # The whole model in one file that loads without DTensor (all ranks participate).
+        export_whole(model, filter(None, [out and out / "model.pt", args.export]))
         if info.distributed:
             dist.barrier()  # leave together (all ranks participate): rank 0 hosts the store
     except RuntimeError as e:
