@@ -250,8 +250,8 @@ def read_meta(path, args, tokens):
 
 def main(argv=None):
     args = get_args(argv)
-    if fully_shard is None:
-        fail(f"context_parallel.py needs PyTorch 2.6 or newer (this is {torch.__version__})")
+    if fully_shard is None or torch.__version__ < "2.7":  # 2.6's FSDP2 fails on a CPU mesh
+        fail(f"context_parallel.py needs PyTorch 2.7 or newer (this is {torch.__version__})")
     # The process group: rank, world size and device from whichever launcher started us.
     info = init_distributed_mode(
         backend=args.backend, device=args.device, timeout_s=args.dist_timeout

@@ -147,8 +147,8 @@ def read_meta(path, args):
 
 def main(argv=None):
     args = get_args(argv)
-    if fully_shard is None:
-        fail(f"fsdp_train.py needs PyTorch 2.6 or newer (this is {torch.__version__})")
+    if fully_shard is None or torch.__version__ < "2.7":  # 2.6's FSDP2 fails on a CPU mesh
+        fail(f"fsdp_train.py needs PyTorch 2.7 or newer (this is {torch.__version__})")
     # Offloaded shards and their gradients are CPU tensors, which NCCL cannot reduce (the
     # gradient norm's all-reduce, say): such a group needs gloo beside NCCL for them.
     backend = args.backend

@@ -91,8 +91,11 @@ def test_finetune_refuses_another_network(tmp_path, name):
 # ----------------------------------------------------------------------------------------
 # The files real training runs write
 
+fsdp_runs = pytest.mark.skipif(torch.__version__ < "2.7", reason="fsdp_train.py needs 2.7")
+
 
 @pytest.mark.slow
+@fsdp_runs
 def test_quantize_reads_fsdp_train_model_pt(tmp_path):
     """fsdp_train.py's model.pt of an MLP, quantized: fp32's accuracy on the whole test set
     is the training run's last test accuracy."""
@@ -108,7 +111,8 @@ def test_quantize_reads_fsdp_train_model_pt(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "script, name", [("fsdp_train.py", "model.pt"), ("ddp_train.py", "checkpoint.pt")]
+    "script, name",
+    [pytest.param("fsdp_train.py", "model.pt", marks=fsdp_runs), ("ddp_train.py", "checkpoint.pt")],
 )
 def test_finetune_reads_a_trained_resnet18(tmp_path, script, name):
     """A ResNet-18 trained by fsdp_train.py (model.pt) or ddp_train.py (checkpoint.pt) starts
