@@ -7,7 +7,7 @@ is simpler and faster. The launch picks the mode (the "mode N:" line printed say
 1. Naive (one process, --microbatches 1): one device works at a time: memory, not speed.
 2. Micro-batches (one process, --microbatches M): at tick t stage s works on piece t-s, so the
    GPUs overlap, each still idle (S-1)/(M+S-1) of a step: the bubble (GPipe, Huang et al. 2019).
-3. One stage per process (torchrun; torch.distributed.pipelining, PyTorch 2.9 or newer): stages
+3. One stage per process (torchrun; torch.distributed.pipelining, PyTorch 2.10 or newer): stages
    send activations to each other, also across machines. --pipeline-schedule gpipe: all
    forwards, then all backwards; 1f1b alternates them, holding fewer micro-batches' activations.
 In every mode a step's gradients are the whole batch's mean, as on one device.
@@ -182,9 +182,10 @@ def train(args, info):
     per_process = world > 1  # mode 3: a stage per process, each knowing only its own device
     if per_process and args.devices:
         fail("--devices is for one process; under torchrun each process holds one stage")
-    # PipelineStage inferring its shapes, gradients divided by M and schedule.eval(): 2.9 has all.
-    if per_process and tuple(map(int, torch.__version__.split(".")[:2])) < (2, 9):
-        fail(f"one stage per process needs PyTorch 2.9 or newer (this is {torch.__version__})")
+    # PipelineStage inferring its shapes, gradients divided by M and schedule.eval(): 2.9 has
+    # all, but on 2.9.0 gloo stops with a message size mismatch; 2.10 runs (both measured).
+    if per_process and tuple(map(int, torch.__version__.split(".")[:2])) < (2, 10):
+        fail(f"one stage per process needs PyTorch 2.10 or newer (this is {torch.__version__})")
     devices = [device] * world if per_process else parse_devices(args.devices, args.device)
     micro = args.microbatches or (8 if per_process else 1)
     if args.batch_size % micro:

@@ -27,8 +27,8 @@ from conftest import ROOT, clean_env
 SCRIPTS = sorted(p.name for p in ROOT.glob("*.py") if p.name != "common.py")
 # Flags set to their smallest value wherever a script takes them, and those left alone.
 SMALL = {"--epochs": "1", "--max-steps": "2", "--qat-steps": "2", "--runs": "1"}
-# model_parallel.py's one stage per process (its torchrun commands) needs PyTorch 2.9.
-PIPELINING = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 9)
+# model_parallel.py's one stage per process (its torchrun commands) needs PyTorch 2.10.
+PIPELINING = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 10)
 TORCHRUN_DROP = ("--nnodes", "--nproc_per_node", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id")
 
 
@@ -162,7 +162,7 @@ def test_docstring_commands_run(script, tmp_path):
     cwd.mkdir()
     for name, argv, nproc in docstring_commands(script):
         if nproc and name == "model_parallel.py" and not PIPELINING:
-            continue  # one stage per process: refused before PyTorch 2.9 (tested)
+            continue  # one stage per process: refused before PyTorch 2.10 (tested)
         launcher, flags = smallest(name, argv, images)
         for path in files_read(flags):
             if not (cwd / path).exists():  # an earlier run's file: made by the smallest run

@@ -551,8 +551,8 @@ def test_model_parallel_devices(run, devices):
 
 @two_gpus
 @pytest.mark.skipif(
-    tuple(map(int, torch.__version__.split(".")[:2])) < (2, 9),
-    reason="model_parallel.py's one stage per process needs PyTorch 2.9 or newer",
+    tuple(map(int, torch.__version__.split(".")[:2])) < (2, 10),
+    reason="model_parallel.py's one stage per process needs PyTorch 2.10 or newer",
 )
 def test_model_parallel_one_stage_per_process(run):
     """Two stages under torchrun, one GPU each (NCCL send/recv between them)."""

@@ -51,15 +51,15 @@ RUNS = {
     "1f1b-4": (2, ["--pipeline-schedule", "1f1b", "--microbatches", "4"]),
 }
 MODES = {"naive": 1, "micro-4": 2, "naive-gpipe": 3, "1f1b-4": 3}
-# Mode 3 (one stage per process) needs PyTorch 2.9, and model_parallel.py refuses an older one
-# in one line (test_one_stage_per_process_needs_torch_2_9); there its tests skip.
-PIPELINING = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 9)
-needs_2_9 = pytest.mark.skipif(not PIPELINING, reason="mode 3 needs PyTorch 2.9 or newer")
+# Mode 3 (one stage per process) needs PyTorch 2.10, and model_parallel.py refuses an older one
+# in one line (test_one_stage_per_process_needs_torch_2_10); there its tests skip.
+PIPELINING = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 10)
+needs_2_10 = pytest.mark.skipif(not PIPELINING, reason="mode 3 needs PyTorch 2.10 or newer")
 
 
-def mode_3_needs_2_9(names):
-    """pytest parameters for run names, the mode-3 ones skipped before PyTorch 2.9."""
-    return [pytest.param(n, marks=needs_2_9) if MODES.get(n) == 3 else n for n in names]
+def mode_3_needs_2_10(names):
+    """pytest parameters for run names, the mode-3 ones skipped before PyTorch 2.10."""
+    return [pytest.param(n, marks=needs_2_10) if MODES.get(n) == 3 else n for n in names]
 
 
 def rank_envs(world, **extra):
@@ -145,7 +145,7 @@ def test_microbatches_form_a_wavefront():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", mode_3_needs_2_9(["naive", "micro-4", "naive-gpipe", "1f1b-4"]))
+@pytest.mark.parametrize("name", mode_3_needs_2_10(["naive", "micro-4", "naive-gpipe", "1f1b-4"]))
 def test_mode_matches_one_device(mp_runs, name):
     reference = load_ckpt(mp_runs("one device")[0])["model"]
     # Can fail: 5 steps moved the weights by far more than the tolerance, so a stage that did
@@ -173,7 +173,7 @@ def initial_test_loss():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", mode_3_needs_2_9(["naive", "micro-4", "1f1b-4"]))
+@pytest.mark.parametrize("name", mode_3_needs_2_10(["naive", "micro-4", "1f1b-4"]))
 def test_output_contract(mp_runs, initial_test_loss, name):
     out, proc = mp_runs(name)
     [metrics] = read_metrics(out)
@@ -196,7 +196,7 @@ def test_output_contract(mp_runs, initial_test_loss, name):
     assert proc.stdout.count("epoch 0: train_loss") == 1
 
 
-@pytest.mark.parametrize("name", mode_3_needs_2_9(["micro-4", "1f1b-4"]))
+@pytest.mark.parametrize("name", mode_3_needs_2_10(["micro-4", "1f1b-4"]))
 def test_evaluation_equals_one_process(mp_runs, name):
     """The split model's test loss and accuracy (last stage, a padded last batch) are one
     process's on the same weights, over every one of the 499 test samples."""
@@ -253,7 +253,7 @@ def test_resume_same_mode_is_exact(resume_runs, tmp_path):
 
 
 @pytest.mark.slow
-@needs_2_9
+@needs_2_10
 def test_resume_one_process_checkpoint_under_torchrun(resume_runs, tmp_path):
     """Mode 3 takes the one-process checkpoint: each stage loads its slice of the weights and
     momentum by the unsplit names, and goes on as the one process would have."""
@@ -268,7 +268,7 @@ def test_resume_one_process_checkpoint_under_torchrun(resume_runs, tmp_path):
 
 
 @pytest.mark.slow
-@needs_2_9
+@needs_2_10
 def test_ranks_resume_from_rank_0s_checkpoint(tmp_path):
     """A 2-process run stopped after epoch 0, rerun where rank 0 finds the checkpoint and rank 1
     sees an empty directory (an output directory not shared between nodes). Rank 0 alone
@@ -288,7 +288,7 @@ def test_ranks_resume_from_rank_0s_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-@needs_2_9
+@needs_2_10
 def test_unwritable_output_dir_stops_every_rank_with_the_cause(tmp_path):
     """Rank 0 alone checks --output-dir; the other stage must stop with rank 0's error at once,
     not with "a peer died", and long before --dist-timeout."""
@@ -320,7 +320,7 @@ def docstring_launches():
         yield int(nodes[1] if nodes else 1) * int(re.search(r"--nproc_per_node=(\d+)", command)[1])
 
 
-@needs_2_9
+@needs_2_10
 def test_docstring_launches_make_a_valid_number_of_stages(no_launcher, monkeypatch):
     """Every torchrun command in the docstring makes at most as many stages as the model has
     layers, and the default flags pass every check for that many stages: a pretended world of
@@ -344,7 +344,7 @@ def test_docstring_launches_make_a_valid_number_of_stages(no_launcher, monkeypat
 
 
 @pytest.mark.slow
-@needs_2_9
+@needs_2_10
 def test_multi_node_launch_runs(tmp_path):
     """The docstring's multi-node layout (2 nodes x 2 processes) as 4 processes on one node."""
     world = max(docstring_launches())
@@ -369,9 +369,9 @@ def test_multi_node_launch_runs(tmp_path):
                 2,
                 "--microbatches >= stages",
             ),
-            marks=needs_2_9,
+            marks=needs_2_10,
         ),
-        pytest.param(*([], 6, "6 stages for a model of 5 layers: at most 5"), marks=needs_2_9),
+        pytest.param(*([], 6, "6 stages for a model of 5 layers: at most 5"), marks=needs_2_10),
         (["--devices", ",".join(["cpu"] * 6)], 1, "6 stages for a model of 5 layers: at most 5"),
         (["--devices", "cpu,cuda:99"], 1, "--devices: cuda:99 does not exist"),
         (["--devices", "cpu,gpu"], 1, "--devices: 'gpu' is not a device"),
@@ -393,20 +393,21 @@ def test_bad_input(no_launcher, tmp_path, flags, world, words):
     assert not (tmp_path / "out").exists()
 
 
-def test_one_stage_per_process_needs_torch_2_9(no_launcher, monkeypatch):
-    """torch.distributed.pipelining before 2.9 lacks what mode 3 uses: one line naming the
+def test_one_stage_per_process_needs_torch_2_10(no_launcher, monkeypatch):
+    """torch.distributed.pipelining before 2.10 does not run mode 3 (before 2.9 it lacks what
+    mode 3 uses; on 2.9.0 gloo stops with a message size mismatch): one line naming the
     version. Modes 1 and 2 still run there (pipelining is imported only for mode 3); 2.10 is
     newer than 2.9, not older (a string comparison would say otherwise)."""
     one, two = (common.DistInfo(w > 1, 0, 0, w, w, torch.device("cpu")) for w in (1, 2))
     args = model_parallel.get_args([*SYNTHETIC, "--max-steps", "1", "--batch-size", "32"])
-    monkeypatch.setattr(torch, "__version__", "2.6.0")
+    monkeypatch.setattr(torch, "__version__", "2.9.0")
     with pytest.raises(SystemExit) as excinfo:
         model_parallel.train(args, two)
     assert (
         excinfo.value.code
-        == "error: one stage per process needs PyTorch 2.9 or newer (this is 2.6.0)"
+        == "error: one stage per process needs PyTorch 2.10 or newer (this is 2.9.0)"
     )
-    model_parallel.train(args, one)  # mode 1 trains a step on 2.6
+    model_parallel.train(args, one)  # mode 1 trains a step on 2.9
     monkeypatch.setattr(torch, "__version__", "2.10.0")
     bad = model_parallel.get_args([*SYNTHETIC, "--batch-size", "32", "--microbatches", "3"])
     with pytest.raises(SystemExit, match="does not divide"):  # past the version check
@@ -429,7 +430,7 @@ def test_resume_refuses_a_checkpoint_without_momentum(no_launcher, tmp_path):
 
 
 @pytest.mark.slow
-@needs_2_9
+@needs_2_10
 def test_bad_input_real_processes(tmp_path):
     # What a user sees under torchrun: every rank stops with the same line, non-zero exit.
     argv = ["model_parallel.py", *ARGS, "--pipeline-schedule", "1f1b", "--microbatches", "1"]
