@@ -48,6 +48,47 @@ def check_flags(args, at_least_1=(), not_negative=(), positive=()):
                 fail(f"--{name.replace('_', '-')} {must}, got {getattr(args, name)}")
 
 
+def sharded_parser(doc):
+    """The flags of the sharded scripts (fsdp_train.py, tensor_parallel.py, context_parallel.py,
+    expert_parallel.py), said once so that each means the same in all four; each adds its own."""
+    p = ArgumentParser(description=doc.splitlines()[0])
+    add = p.add_argument
+    add("--data", default="fashion-mnist", choices=DATASETS, help="data set")
+    add("--data-dir", default="data", help="root holding the data set (torchvision's layout)")
+    add("--download", action="store_true", help="download the data set if it is missing")
+    add("--epochs", type=int, default=5, help="passes over the training set")
+    add("--lr", type=float, default=3e-3, help="peak AdamW rate per 256 samples of global batch")
+    add("--weight-decay", type=float, default=0.05, help="AdamW's decoupled weight decay")
+    add("--warmup", type=float, default=0.1, help="fraction of all steps spent warming up")
+    add("--seed", type=int, default=0, help="seed for the weights and the shuffling")
+    add("--amp", default="none", choices=["none", "bf16"], help="bf16: compute in bf16")
+    add("--clip-grad", type=float, default=0.0, help="max gradient norm; 0: no clipping")
+    add("--resume", help="checkpoint directory (default: OUTPUT_DIR/checkpoint if any)")
+    add("--eval-only", action="store_true", help="only evaluate the model given by --resume")
+    add("--max-steps", type=int, default=0, help="stop after this many steps; 0: no limit")
+    add("--output-dir", help="where checkpoints, model.pt and metrics.jsonl go; none: nothing")
+    add("--export", help="also write the whole trained model to this file")
+    add("--log-every", type=int, default=50, help="steps between progress and NaN checks")
+    add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if any")
+    add("--backend", choices=["gloo", "nccl"], help="default: nccl on CUDA, else gloo")
+    add("--dist-timeout", type=float, default=300, help="seconds before a lost peer ends the job")
+    return p
+
+
+def check_sharded_args(args, at_least_1=(), not_negative=(), positive=()):
+    """check_flags for a sharded script's flags, the shared ones' bounds added."""
+    at_least_1 = ("epochs", "batch_size", "log_every", *at_least_1)
+    not_negative = ("max_steps", "clip_grad", *not_negative)
+    check_flags(args, at_least_1, not_negative, ("lr", "dist_timeout", *positive))
+    if not 0 <= args.warmup < 1:
+        fail(f"--warmup is a fraction of the run, in [0, 1); got {args.warmup}")
+    if args.eval_only and not args.resume:
+        fail("--eval-only needs --resume DIR (the checkpoint to evaluate)")
+    if hasattr(args, "heads") and args.dim % args.heads:
+        fail(f"--dim {args.dim} is not a whole number of --heads {args.heads}")
+    return args
+
+
 # Process group ----------------------------------------------------------------------------
 # What init_distributed_mode found out about this process.
 DistInfo = namedtuple("DistInfo", "distributed rank local_rank world_size local_world_size device")

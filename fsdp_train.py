@@ -41,14 +41,12 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import (
-    DATASETS,
     MODELS,
-    ArgumentParser,
     append_metrics,
     build_model,
     build_sharded,
-    check_flags,
     check_output_dir,
+    check_sharded_args,
     cleanup,
     collate,
     eval_shard,
@@ -66,6 +64,7 @@ from common import (
     resume_sharded,
     rng_state,
     save_sharded,
+    sharded_parser,
     together,
     trim_metrics,
     warmup_cosine,
@@ -78,20 +77,11 @@ except ImportError:
 
 
 def get_args(argv=None):
-    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p = sharded_parser(__doc__)  # --data, --epochs, --lr, ..., --dist-timeout: common.py's
     add = p.add_argument
-    add("--data", default="fashion-mnist", choices=DATASETS, help="data set")
-    add("--data-dir", default="data", help="root holding the data set (torchvision's layout)")
-    add("--download", action="store_true", help="download the data set if it is missing")
     add("--model", default="vit", choices=sorted(MODELS), help="network")
-    add("--epochs", type=int, default=5, help="passes over the training set")
     add("--batch-size", type=int, default=128, help="samples per process per micro-batch")
     add("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
-    add("--lr", type=float, default=3e-3, help="peak AdamW rate per 256 samples of global batch")
-    add("--weight-decay", type=float, default=0.05, help="AdamW's decoupled weight decay")
-    add("--warmup", type=float, default=0.1, help="fraction of all steps spent warming up")
-    add("--seed", type=int, default=0, help="seed for the weights and the shuffling")
-    add("--amp", default="none", choices=["none", "bf16"], help="bf16: compute in bf16")
     reshard = "free a block's gathered weights after forward (--no-...: keep them for backward)"
     add(
         "--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True, help=reshard
@@ -103,26 +93,10 @@ def get_args(argv=None):
     add("--replicate", type=int, default=1, metavar="R", help=hsdp)
     add("--init-from", help="start from this whole-model file (model.pt, a state_dict)")
     add("--compile", action="store_true", help="torch.compile the model")
-    add("--clip-grad", type=float, default=0.0, help="max gradient norm; 0: no clipping")
-    add("--resume", help="checkpoint directory (default: OUTPUT_DIR/checkpoint if any)")
-    add("--eval-only", action="store_true", help="only evaluate the model given by --resume")
-    add("--max-steps", type=int, default=0, help="stop after this many steps; 0: no limit")
     add("--save-every", type=int, default=0, help="steps between mid-epoch checkpoints; 0: none")
     add("--async-save", action="store_true", help="write checkpoints while training goes on")
-    add("--output-dir", help="where checkpoints, model.pt and metrics.jsonl go; none: nothing")
-    add("--export", help="also write the whole trained model to this file")
-    add("--log-every", type=int, default=50, help="steps between progress and NaN checks")
-    add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if any")
-    add("--backend", choices=["gloo", "nccl"], help="default: nccl on CUDA, else gloo")
-    add("--dist-timeout", type=float, default=300, help="seconds before a lost peer ends the job")
     args = p.parse_args(argv)
-    at_least_1 = ("epochs", "batch_size", "accum_steps", "replicate", "log_every")
-    not_negative = ("max_steps", "clip_grad", "save_every")
-    check_flags(args, at_least_1, not_negative, positive=("lr", "dist_timeout"))
-    if not 0 <= args.warmup < 1:
-        fail(f"--warmup is a fraction of the run, in [0, 1); got {args.warmup}")
-    if args.eval_only and not args.resume:
-        fail("--eval-only needs --resume DIR (the checkpoint to evaluate)")
+    check_sharded_args(args, ("accum_steps", "replicate"), not_negative=("save_every",))
     if (args.save_every or args.async_save) and not args.output_dir:
         fail("--save-every and --async-save need --output-dir (where the checkpoints go)")
     if args.checkpoint_activations and args.model not in ("vit", "resnet18"):

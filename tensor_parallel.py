@@ -33,13 +33,11 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import (
-    DATASETS,
-    ArgumentParser,
     ViT,
     append_metrics,
     build_sharded,
-    check_flags,
     check_output_dir,
+    check_sharded_args,
     cleanup,
     collate,
     eval_shard,
@@ -58,6 +56,7 @@ from common import (
     rng_state,
     save_sharded,
     seed_everything,
+    sharded_parser,
     together,
     trim_metrics,
     warmup_cosine,
@@ -79,44 +78,16 @@ except ImportError:
 
 
 def get_args(argv=None):
-    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p = sharded_parser(__doc__)  # --data, --epochs, --lr, ..., --dist-timeout: common.py's
     add = p.add_argument
-    add("--data", default="fashion-mnist", choices=DATASETS, help="data set")
-    add("--data-dir", default="data", help="root holding the data set (torchvision's layout)")
-    add("--download", action="store_true", help="download the data set if it is missing")
     add("--dp", type=int, default=1, help="data-parallel degree (FSDP); TP: processes / dp")
     add("--tp", type=int, help="tensor-parallel degree (default: processes / --dp)")
     add("--sequence-parallel", action="store_true", help="norms, residuals by token (TP > 1)")
     add("--dim", type=int, default=96, help="the ViT's width")
     add("--heads", type=int, default=4, help="the ViT's attention heads")
-    add("--epochs", type=int, default=5, help="passes over the training set")
     add("--batch-size", type=int, default=128, help="samples per TP group per step")
-    add("--lr", type=float, default=3e-3, help="peak AdamW rate per 256 samples of global batch")
-    add("--weight-decay", type=float, default=0.05, help="AdamW's decoupled weight decay")
-    add("--warmup", type=float, default=0.1, help="fraction of all steps spent warming up")
-    add("--seed", type=int, default=0, help="seed for the weights and the shuffling")
-    add("--amp", default="none", choices=["none", "bf16"], help="bf16: compute in bf16")
-    add("--clip-grad", type=float, default=0.0, help="max gradient norm; 0: no clipping")
-    add("--resume", help="checkpoint directory (default: OUTPUT_DIR/checkpoint if any)")
-    add("--eval-only", action="store_true", help="only evaluate the model given by --resume")
-    add("--max-steps", type=int, default=0, help="stop after this many steps; 0: no limit")
-    add("--output-dir", help="where checkpoints, model.pt and metrics.jsonl go; none: nothing")
-    add("--export", help="also write the whole trained model to this file")
-    add("--log-every", type=int, default=50, help="steps between progress and NaN checks")
-    add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if any")
-    add("--backend", choices=["gloo", "nccl"], help="default: nccl on CUDA, else gloo")
-    add("--dist-timeout", type=float, default=300, help="seconds before a lost peer ends the job")
     args = p.parse_args(argv)
-    at_least_1 = ("dp", "tp", "dim", "heads", "epochs", "batch_size", "log_every")
-    not_negative = ("max_steps", "clip_grad")
-    check_flags(args, at_least_1, not_negative, positive=("lr", "dist_timeout"))
-    if not 0 <= args.warmup < 1:
-        fail(f"--warmup is a fraction of the run, in [0, 1); got {args.warmup}")
-    if args.dim % args.heads:
-        fail(f"--dim {args.dim} is not a whole number of --heads {args.heads}")
-    if args.eval_only and not args.resume:
-        fail("--eval-only needs --resume DIR (the checkpoint to evaluate)")
-    return args
+    return check_sharded_args(args, at_least_1=("dp", "tp", "dim", "heads"))
 
 
 def move(src, dst, local=True):
