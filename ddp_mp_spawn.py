@@ -34,6 +34,7 @@ from common import (
     DATASETS,
     MODELS,
     ArgumentParser,
+    amp_note,
     append_metrics,
     broadcast_object,
     build_model,
@@ -80,7 +81,7 @@ def get_args(argv=None):
     add("--weight-decay", type=float, default=5e-4, help="L2 penalty")
     add("--label-smoothing", type=float, default=0.1, help="for the training loss")
     add("--schedule", default="onecycle", choices=["onecycle"], help="lr schedule: one-cycle")
-    add("--warmup", type=float, default=0.2, help="fraction of all steps spent warming up")
+    add("--warmup", type=float, default=0.2, help="fraction of the steps warming up; 0: none")
     add("--workers", type=int, default=0, help="DataLoader worker processes per rank")
     add("--seed", type=int, default=0, help="seed for the weights and the shuffling")
     add("--amp", default="none", choices=["none", "bf16", "fp16"], help="mixed precision")
@@ -108,6 +109,7 @@ def get_args(argv=None):
 def train(args, info):
     device, rank, world = info.device, info.rank, info.world_size
     is_main = is_main_process()  # global rank 0: the one that writes
+    amp_note(args.amp, device)  # fp16 on a CPU, bf16 on a GPU before Ampere: slow
     seed_everything(args.seed)  # the same on every rank: identical initial weights
     train_set, test_set, num_classes, in_channels = load_datasets(
         args.data, args.data_dir, args.download, args.image_size, info.local_rank
@@ -170,7 +172,7 @@ def train(args, info):
         print0(f"resumed from {path} at epoch {ckpt['epoch']}")
     # Made after the optimizer's state is loaded: OneCycleLR writes this run's peak (another
     # --nprocs scales it) into the optimizer. cycle_momentum=False keeps the momentum fixed.
-    warmup = max(args.warmup, 1e-3)
+    warmup = args.warmup if args.warmup * total_steps > 1 else 0.0  # a step or less: none
     scheduler = OneCycleLR(optimizer, lr, total_steps, pct_start=warmup, cycle_momentum=False)
     fast_forward(scheduler, step)
     start_epoch = step // steps_per_epoch

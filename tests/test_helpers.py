@@ -10,6 +10,7 @@ import torch
 
 import common
 import ddp_comm
+import ddp_mp_spawn
 import ddp_train
 import dp_train
 
@@ -58,7 +59,11 @@ def test_amp_note(monkeypatch, capsys, amp, device, capability, note):
     assert (note in out and out.count("\n") == 1) if note else out == ""
 
 
-@pytest.mark.parametrize("main", [dp_train.main, ddp_train.main, ddp_comm.main])
+def spawn_train(argv):  # ddp_mp_spawn.py's training function, in this process
+    return ddp_mp_spawn.train(ddp_mp_spawn.get_args(argv), common.init_distributed_mode())
+
+
+@pytest.mark.parametrize("main", [dp_train.main, ddp_train.main, ddp_comm.main, spawn_train])
 def test_scripts_print_the_amp_note(no_launcher, capsys, main):
     """The data-parallel scripts say it (here: fp16 on the CPU), once, before their data (a
     batch too large for it then stops them)."""

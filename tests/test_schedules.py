@@ -13,6 +13,7 @@ from conftest import SYNTHETIC
 
 import common
 import ddp_comm
+import ddp_mp_spawn
 import ddp_train
 import dp_train
 import model_parallel
@@ -21,6 +22,10 @@ MAINS = {
     "dp_train": dp_train.main,
     "ddp_train": ddp_train.main,
     "ddp_comm": ddp_comm.main,
+    # its main() spawns children: here its training function runs in this process
+    "ddp_mp_spawn": lambda argv: ddp_mp_spawn.train(
+        ddp_mp_spawn.get_args(argv), common.init_distributed_mode(device="cpu")
+    ),
 }
 LR = 0.8  # per 256 samples
 
