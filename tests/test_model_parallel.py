@@ -13,6 +13,7 @@ import copy
 import re
 import shutil
 import time
+import types
 
 import pytest
 import torch
@@ -439,3 +440,25 @@ def test_bad_input_real_processes(tmp_path):
     assert "error: 1f1b needs --microbatches >= stages (2)" in proc.stderr
     assert "]: Traceback" not in proc.stderr  # no worker traceback ("[rank1]: Traceback ...")
     assert not (tmp_path / "o").exists()
+
+
+def test_each_epoch_takes_a_new_order(no_launcher, monkeypatch):
+    """One process, 2 epochs of 2 steps: each step trains on the batch that a loader reseeded
+    with --seed + epoch gives, so epoch 1 takes a new order (every epoch repeating epoch 0's
+    passed the rest of this file: its references repeat it as well)."""
+    seen = []
+
+    def cross_entropy(logits, labels, **kwargs):
+        if "reduction" not in kwargs:  # training; evaluation sums
+            seen.append(labels.clone())
+        return torch.nn.functional.cross_entropy(logits, labels, **kwargs)
+
+    monkeypatch.setattr(model_parallel, "F", types.SimpleNamespace(cross_entropy=cross_entropy))
+    model_parallel.main([*SYNTHETIC, "--devices", "cpu", "--epochs", "2", "--batch-size", "1000"])
+    labels = common.load_datasets("synthetic", "unused")[0].labels
+    expected = []
+    for epoch in range(2):
+        g = torch.Generator().manual_seed(0 + epoch)
+        expected += list(DataLoader(labels, 1000, shuffle=True, drop_last=True, generator=g))
+    assert len(seen) == 4 and not torch.equal(seen[2], seen[0])
+    assert all(torch.equal(a, b) for a, b in zip(seen, expected, strict=True))
