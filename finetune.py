@@ -200,9 +200,6 @@ def build_pretrained_resnet(args, num_classes, local_rank=0):
     return model, set(own) - set(fits)
 
 
-build_model = build_pretrained_resnet  # the old name, while tests/test_finetune.py uses it
-
-
 def freeze(model, trainable_layers, new):
     """Freeze all but the head, the last `trainable_layers` stages and the `new` (random)
     tensors; return the frozen BatchNorm layers, which must be kept in eval mode."""

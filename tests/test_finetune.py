@@ -116,7 +116,9 @@ def test_torchrun_matches_single_process(tmp_path, probe, pretrained):
     # The test can fail: the head moved far from its initial value, the same for both runs
     # (same seed), so half the rate or one rank's gradients alone would show.
     common.seed_everything(0)  # what finetune.py does before it builds the model
-    start, _ = finetune.build_model(finetune.get_args(["--weights", "none"]), num_classes=10)
+    start, _ = finetune.build_pretrained_resnet(
+        finetune.get_args(["--weights", "none"]), num_classes=10
+    )
     initial = start.fc.state_dict()
     moved = {k.removeprefix("fc."): v for k, v in reference["model"].items() if k.startswith("fc.")}
     assert max_abs_diff(moved, initial) > 1000 * ATOL
@@ -138,7 +140,7 @@ def test_weights_load_by_name_and_shape(no_launcher, capsys, tmp_path, pretraine
     torch.save(prefixed(prefixed(before, "_orig_mod."), "module."), wrapped)
     for path in (pretrained, probe / "checkpoint.pt", wrapped):
         args = finetune.get_args(["--weights-file", str(path)])
-        model, new = finetune.build_model(args, num_classes=5)
+        model, new = finetune.build_pretrained_resnet(args, num_classes=5)
         assert model.fc.out_features == 5 and new == {"fc.weight", "fc.bias"}
         for key, value in model.state_dict().items():
             if not key.startswith("fc."):
@@ -153,7 +155,7 @@ def test_deeper_network_loads_what_fits(no_launcher, capsys, tmp_path):
     state = torchvision.models.resnet34(weights=None).state_dict()
     torch.save(state, tmp_path / "resnet34.pt")
     args = finetune.get_args(["--weights-file", str(tmp_path / "resnet34.pt")])
-    model, new = finetune.build_model(args, 3)
+    model, new = finetune.build_pretrained_resnet(args, 3)
     assert new == {"fc.weight", "fc.bias"}
     assert torch.equal(model.layer4[1].conv2.weight, state["layer4.1.conv2.weight"])
     assert "loaded 120 of 122 tensors" in capsys.readouterr().out
@@ -384,7 +386,9 @@ def _fetch_rank(rank, world, nodes, port, tmp):
     torchvision.models.ResNet18_Weights.get_state_dict = fake_get_state_dict
     local_rank = nodes[: rank + 1].count(nodes[rank]) - 1
     try:
-        finetune.build_model(finetune.get_args(["--weights", "DEFAULT"]), 10, local_rank)
+        finetune.build_pretrained_resnet(
+            finetune.get_args(["--weights", "DEFAULT"]), 10, local_rank
+        )
     finally:
         dist.destroy_process_group()
 
