@@ -21,6 +21,7 @@ from conftest import (
     run_python,
     torchrun,
 )
+from torch.utils.data import DistributedSampler
 
 import common
 import expert_parallel
@@ -388,3 +389,22 @@ def test_benchmark_counts_the_bytes_each_process_sends():
     # rest to the other process); forward alone, without backward, counted 0.22.
     assert ep[1] > 0.3 * bound * 4 / 2**20
     assert ep[3] == pytest.approx(ep[1] + ep[2], abs=0.002) and min(r[4] for r in rows.values()) > 0
+
+
+@pytest.mark.slow
+def test_each_epoch_takes_a_new_order(tmp_path):
+    """EP 2 over 2 epochs of 2 steps (500 images a rank): each step's labels are those of
+    DistributedSampler's order for that step's epoch on that rank, and epoch 1's differ from
+    epoch 0's (without set_epoch every epoch would repeat epoch 0's)."""
+    out = tmp_path / "out"
+    argv = ["tests/ep_probe.py", tmp_path, "--", *FAST, "--epochs", "2", "--max-steps", "0"]
+    torchrun(2, [*argv, "--batch-size", "500", "--output-dir", out])
+    labels = common.load_datasets("synthetic", "data")[0].labels
+    for rank in (0, 1):
+        seen = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)["labels"]
+        assert len(seen) == 4 and not torch.equal(seen[2], seen[0])
+        sampler = DistributedSampler(range(len(labels)), 2, rank, seed=0, drop_last=True)
+        for step, got in enumerate(seen):
+            sampler.set_epoch(step // 2)
+            order = list(sampler)[(step % 2) * 500 : (step % 2 + 1) * 500]
+            assert torch.equal(got, labels[order]), (rank, step)
