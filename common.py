@@ -694,15 +694,17 @@ def load_model_state(model, state_dict, path):
         fail(f"checkpoint {path} does not fit this model (another --model?): {detail[0]}")
 
 
-def read_weights(path):
+def read_weights(path, what="weights file"):
     """A whole model's weights, read on this rank: a plain state_dict (model.pt of the sharded
-    scripts, a pretrained network's) or the 'model' of a checkpoint of these scripts."""
-    state = read_torch_file(path, "weights file")
+    scripts, a pretrained network's) or the 'model' of a checkpoint of these scripts; and the
+    flags that checkpoint recorded ({} for a plain state_dict)."""
+    state, flags = read_torch_file(path, what), {}
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
-        state = state["model"]
+        state, flags = state["model"], state.get("args", {})
     if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
-        fail(f"{path} holds no state dict (names to tensors)")
-    return state
+        why = "neither a checkpoint of these scripts nor a state_dict (names to tensors)"
+        fail(f"{what} {path} is {why}")
+    return state, flags
 
 
 def check_weights(state, model, path):
@@ -731,7 +733,7 @@ def build_sharded(build, shard, device, seed, init_from=None):
 
     def whole():  # rank 0
         if init_from:
-            state = read_weights(init_from)
+            state, _ = read_weights(init_from, "--init-from")
             check_weights(state, model, init_from)
             return state
         seed_everything(seed)

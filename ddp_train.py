@@ -155,9 +155,8 @@ def make_scheduler(optimizer, args, total_steps):
     if args.schedule == "cosine":  # linear warm-up, then cosine decay to zero
         return warmup_cosine(optimizer, args.warmup, total_steps)
     # One-cycle: cosine warm-up from 1/25 of the peak, then cosine decay; cycle_momentum=False
-    # keeps Nesterov's momentum fixed. A warm-up of one step or less is none (the first step
-    # at the peak): OneCycleLR divides by zero at exactly one, and below it would start one
-    # step at 1/25 of the peak.
+    # keeps Nesterov's momentum fixed. A warm-up of a step or less is none, the first step at
+    # the peak (OneCycleLR divides by zero at one step, and below it starts at 1/25 of it).
     peaks = [g["lr"] for g in optimizer.param_groups]
     warmup = args.warmup if args.warmup * total_steps > 1 else 0.0
     return OneCycleLR(optimizer, peaks, total_steps, pct_start=warmup, cycle_momentum=False)

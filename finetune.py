@@ -55,7 +55,7 @@ from common import (
     once_per_node,
     peer_failure,
     print0,
-    read_torch_file,
+    read_weights,
     reduce_value,
     save_checkpoint,
     together,
@@ -138,11 +138,7 @@ def pretrained_state(args, local_rank):
     """The state_dict to start from: --weights-file's (bare, or a checkpoint's "model"),
     torchvision's --weights, or None for --weights none."""
     if args.weights_file:
-        state = read_torch_file(args.weights_file, what="--weights-file")  # weights_only, CPU
-        if isinstance(state, dict) and isinstance(state.get("model"), dict):
-            state = state["model"]
-        if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
-            fail(f"--weights-file {args.weights_file} holds no state_dict (a dict of tensors)")
+        state, _ = read_weights(args.weights_file, "--weights-file")  # weights_only, CPU
         # A model saved through its DDP or torch.compile wrapper has every key prefixed.
         return {re.sub(r"^(module\.|_orig_mod\.)+", "", k): v for k, v in state.items()}
     if args.weights.lower() == "none":

@@ -63,7 +63,7 @@ from common import (
     load_checkpoint,
     load_datasets,
     load_model_state,
-    read_torch_file,
+    read_weights,
     save_checkpoint,
     seed_everything,
 )
@@ -217,15 +217,9 @@ def main(argv=None):
     test_loader = DataLoader(test_set, **kw)
     model = build_model(args.model, channels, num_classes, image_size=test_set.images.shape[-1])
     if args.checkpoint:
-        state = read_torch_file(args.checkpoint)  # weights_only, onto the CPU
-        if isinstance(state, dict) and isinstance(state.get("model"), dict):  # a checkpoint
-            trained = state.get("args", {}).get("model")  # the training scripts record it
-            if trained and trained != args.model:
-                fail(f"{args.checkpoint} holds a {trained!r} model; pass --model {trained}")
-            state = state["model"]
-        if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
-            why = "neither a checkpoint of these scripts nor a state_dict (names to tensors)"
-            fail(f"{args.checkpoint} is {why}")
+        state, flags = read_weights(args.checkpoint, "checkpoint")  # weights_only, on the CPU
+        if (trained := flags.get("model")) and trained != args.model:  # the scripts record it
+            fail(f"{args.checkpoint} holds a {trained!r} model; pass --model {trained}")
         load_model_state(model, state, args.checkpoint)
     # Inputs good: only now are folders made (and proven writable) and anything written.
     out = check_output_dir(args.output_dir) if args.output_dir else None

@@ -264,7 +264,7 @@ def small_cnn_file(path):  # what ddp_train.py --model cnn saves
         (lambda p: None, "does not exist"),
         (lambda p: p.write_bytes(JUNK), "cannot read"),
         (lambda p: p.write_bytes(b""), "cannot read"),
-        (lambda p: torch.save([1, 2, 3], p), "no state_dict"),
+        (lambda p: torch.save([1, 2, 3], p), "nor a state_dict"),
         (lambda p: torch.save({"model": {}, "obj": torch.nn.Identity()}, p), "unsafe"),
         # Another network, in one line that says what the file holds.
         (
