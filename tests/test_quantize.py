@@ -35,7 +35,9 @@ def quantized(tmp_path_factory):
     run_python(["ddp_train.py", *CNN_ARGS, "--output-dir", train_dir])
     out = tmp_path_factory.mktemp("int8")
     ckpt = train_dir / "checkpoint.pt"
-    argv = [*QUICK, "--checkpoint", ckpt, "--qat-steps", "10", "--json", out / "q.json"]
+    # QAT at 0.05 moves a few predictions: a non-zero accuracy difference, whose sign is tested
+    argv = [*QUICK, "--checkpoint", ckpt, "--qat-steps", "10", "--qat-lr", "0.05"]
+    argv += ["--json", out / "q.json"]
     argv += ["--output-dir", out]
     proc = run_python(["quantize.py", *argv])
     return train_dir, out, json.loads((out / "q.json").read_text()), proc
@@ -57,6 +59,7 @@ def test_json_has_every_method_against_fp32(quantized):
         assert r["size_mb"] > 0 and r["latency_ms"] > 0 and r["throughput"] > 0
         assert r["size_ratio"] == pytest.approx(r["size_mb"] / fp32["size_mb"])
         assert r["accuracy_delta"] == pytest.approx(r["accuracy"] - fp32["accuracy"])
+    assert rows(report)["QAT int8"]["accuracy_delta"] != 0  # else a flipped sign would pass
 
 
 @pytest.mark.slow
