@@ -65,6 +65,8 @@ def docstring_commands(script):
 def smallest(script, argv, images):
     """The command's own flags, shrunk, plus the smallest data and device the script takes."""
     source = (ROOT / script).read_text()
+    if "sharded_parser(" in source:  # the sharded scripts' shared flags are common.py's
+        source += (ROOT / "common.py").read_text()
     takes = lambda flag: f'"{flag}"' in source  # noqa: E731 - its add_argument names it
     launcher, flags = argv[: argv.index("|")], argv[argv.index("|") + 1 :]
     flags = ["cpu" if re.fullmatch(r"cuda(:\d+)?(,cuda(:\d+)?)*", f) else f for f in flags]
