@@ -279,3 +279,30 @@ def ddp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp_run")
     proc = torchrun(2, ["ddp_train.py", *CNN_ARGS, "--output-dir", out])
     return out, proc
+
+
+def docstring_launches_reach_the_mesh(module, monkeypatch):
+    """Every torchrun command in a sharded script's docstring passes the script's checks at its
+    number of processes: a pretended world of that size gets as far as making its mesh. Returns
+    the numbers of processes, for the caller to compare with the commands it expects."""
+    script, worlds = Path(module.__file__).name, []
+
+    class Reached(Exception):
+        pass
+
+    def mesh(*args, **kwargs):
+        raise Reached
+
+    monkeypatch.setattr(module, "init_device_mesh", mesh)
+    for line in module.__doc__.replace("\\\n", " ").splitlines():
+        if "torchrun" not in line:
+            continue
+        words = line.split("#")[0].split()
+        sizes = dict(w[2:].split("=") for w in words if w.startswith(("--nnodes=", "--nproc")))
+        world = int(sizes.get("nnodes", 1)) * int(sizes["nproc_per_node"])
+        info = common.DistInfo(True, 0, 0, world, world, torch.device("cpu"))
+        monkeypatch.setattr(module, "init_distributed_mode", lambda info=info, **_: info)
+        with pytest.raises(Reached):
+            module.main([*words[words.index(script) + 1 :], *SYNTHETIC])
+        worlds.append(world)
+    return sorted(worlds)

@@ -16,6 +16,7 @@ from conftest import (
     ROOT,
     SYNTHETIC,
     clean_env,
+    docstring_launches_reach_the_mesh,
     one_line_errors,
     read_metrics,
     run_python,
@@ -326,34 +327,10 @@ def test_a_checkpoint_of_the_16_token_vit_is_refused(tmp_path):
         context_parallel.read_meta(tmp_path, args, 28)
 
 
-def docstring_launches():
-    """(processes, flags) of every torchrun command in context_parallel.py's docstring."""
-    for line in context_parallel.__doc__.replace("\\\n", " ").splitlines():
-        if "torchrun" in line:
-            words = line.split("#")[0].split()
-            sizes = dict(w[2:].split("=") for w in words if w.startswith(("--nnodes=", "--nproc")))
-            procs = int(sizes.get("nnodes", 1)) * int(sizes["nproc_per_node"])
-            yield procs, words[words.index("context_parallel.py") + 1 :]
-
-
 def test_docstring_launches_make_a_valid_mesh(no_launcher, monkeypatch):
     """Every torchrun command in the docstring passes the mesh and token checks at its number
-    of processes: a pretended world of that size gets to making its mesh."""
-    launches = list(docstring_launches())
-    assert sorted(n for n, _ in launches) == [2, 4, 8]
-
-    class Reached(Exception):
-        pass
-
-    def mesh(*args, **kwargs):
-        raise Reached
-
-    monkeypatch.setattr(context_parallel, "init_device_mesh", mesh)
-    for world, flags in launches:
-        info = common.DistInfo(True, 0, 0, world, world, torch.device("cpu"))
-        monkeypatch.setattr(context_parallel, "init_distributed_mode", lambda info=info, **_: info)
-        with pytest.raises(Reached):
-            context_parallel.main([*flags, *SYNTHETIC])
+    of processes."""
+    assert docstring_launches_reach_the_mesh(context_parallel, monkeypatch) == [2, 4, 8]
 
 
 def test_refusals(no_launcher):
