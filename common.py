@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
 
 
 def fail(message):
@@ -546,6 +546,22 @@ def build_model(name, in_channels, num_classes, image_size=28):
     return MODELS[name](in_channels, num_classes)
 
 
+def shard_loaders(train_set, test_set, args, replicas, index, device):
+    """Data parallelism over `replicas` groups of processes, this one in group `index` (the
+    processes of a group see the same batches): (sampler, train_loader, test_loader), its shard
+    of the training set, reshuffled by sampler.set_epoch(epoch), and its 1/replicas of the test
+    set for exact evaluation."""
+    steps = getattr(args, "accum_steps", 1)  # the batches of one optimizer step
+    if (shard := len(train_set) // replicas) < args.batch_size * steps:
+        each = f"--batch-size {args.batch_size}" + f" x --accum-steps {steps}" * (steps > 1)
+        fail(f"{each} is larger than one data-parallel shard ({shard} samples)")
+    sampler = DistributedSampler(train_set, replicas, index, seed=args.seed, drop_last=True)
+    pin = dict(collate_fn=collate, pin_memory=device.type == "cuda")
+    train_loader = DataLoader(train_set, args.batch_size, sampler=sampler, drop_last=True, **pin)
+    test_loader = DataLoader(eval_shard(test_set, index, replicas), 2 * args.batch_size, **pin)
+    return sampler, train_loader, test_loader
+
+
 # Evaluation -------------------------------------------------------------------------------
 def eval_shard(dataset, rank, world_size):
     """This rank's share of the test set, each sample once over all ranks (DistributedSampler
@@ -890,3 +906,24 @@ def trim_metrics(path, start_epoch):
         lines = Path(path).read_text().splitlines()
         keep = "".join(ln + "\n" for ln in lines if json.loads(ln)["epoch"] < start_epoch)
         atomic_write(path, lambda tmp: tmp.write_text(keep))
+
+
+def log_loss(loss_sum, count, epoch, step, lr):
+    """The mean training loss since the epoch began, over all ranks, printed: one all-reduce
+    (all ranks participate). Every rank sees the same NaN, so all stop at the same step,
+    before it can replace a good checkpoint."""
+    total, n = reduce_value(torch.stack([loss_sum, count])).tolist()
+    if not math.isfinite(loss := total / n):
+        fail(f"non-finite loss by step {step}: lower --lr or add --clip-grad")
+    print0(f"epoch {epoch} step {step}: loss {loss:.4f} lr {lr:.3g}")
+    return loss
+
+
+def end_epoch(metrics, record):
+    """The epoch's line on rank 0's terminal, and in metrics.jsonl (if any) before the
+    checkpoint is written: a crash between the two reruns the epoch, whose line is trimmed."""
+    losses = f"train_loss {record['train_loss']:.4f} test_loss {record['test_loss']:.4f}"
+    seconds = f"test_acc {record['test_acc']:.4f} {record['epoch_seconds']:.1f}s"
+    print0(f"epoch {record['epoch']}: {losses} {seconds}")
+    if metrics:
+        append_metrics(metrics, record)

@@ -38,31 +38,29 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler
 
 from common import (
     ViT,
-    append_metrics,
     build_sharded,
     check_output_dir,
     check_sharded_args,
     cleanup,
-    collate,
-    eval_shard,
+    end_epoch,
     evaluate,
     export_whole,
     fail,
     fast_forward,
     init_distributed_mode,
     load_datasets,
+    log_loss,
     pad_batches,
     peer_failure,
     print0,
     read_sharded_meta,
-    reduce_value,
     resume_sharded,
     rng_state,
     save_sharded,
+    shard_loaders,
     sharded_parser,
     together,
     trim_metrics,
@@ -244,15 +242,9 @@ def main(argv=None):
             mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
         dp_rank = mesh["dp"].get_local_rank() if mesh else 0
 
-        if (shard := len(train_set) // dp) < args.batch_size:
-            fail(f"--batch-size {args.batch_size} is larger than one group's shard ({shard})")
-        sampler = DistributedSampler(train_set, dp, dp_rank, seed=args.seed, drop_last=True)
-        pin = dict(collate_fn=collate, pin_memory=device.type == "cuda")
-        train_loader = DataLoader(
-            train_set, args.batch_size, sampler=sampler, drop_last=True, **pin
+        sampler, train_loader, test_loader = shard_loaders(
+            train_set, test_set, args, dp, dp_rank, device
         )
-        # Exact evaluation: each CP group 1/dp of the test set, none padded in.
-        test_loader = DataLoader(eval_shard(test_set, dp_rank, dp), 2 * args.batch_size, **pin)
         steps_per_epoch, global_batch = len(train_loader), args.batch_size * dp
         total_steps = args.epochs * steps_per_epoch
 
@@ -348,14 +340,8 @@ def main(argv=None):
                 scheduler.step()
                 step, done = step + 1, done + 1
                 last = done == steps or step == args.max_steps
-                if step % args.log_every == 0 or last:
-                    # One all-reduce per log step (all ranks participate); every rank sees
-                    # the same NaN, so all stop before it can replace a good checkpoint.
-                    totals = reduce_value(torch.stack([loss_sum, count]))
-                    train_loss, lr_now = (totals[0] / totals[1]).item(), scheduler.get_last_lr()[0]
-                    if not math.isfinite(train_loss):
-                        fail(f"non-finite loss by step {step}: lower --lr or add --clip-grad")
-                    print0(f"epoch {epoch} step {step}: loss {train_loss:.4f} lr {lr_now:.3g}")
+                if step % args.log_every == 0 or last:  # all ranks participate: all stop on a NaN
+                    train_loss = log_loss(loss_sum, count, epoch, step, scheduler.get_last_lr()[0])
                 if last:
                     break
             seconds = time.perf_counter() - t0  # the loss all-reduce above synchronised
@@ -365,10 +351,7 @@ def main(argv=None):
             record = dict(epoch=epoch, step=step, train_loss=train_loss, test_loss=test_loss)
             record.update(test_acc=test_acc, epoch_seconds=seconds, samples_per_second=speed)
             record.update(lr=lr_now, world_size=world)
-            losses = f"train_loss {train_loss:.4f} test_loss {test_loss:.4f}"
-            print0(f"epoch {epoch}: {losses} test_acc {test_acc:.4f} {seconds:.1f}s")
-            if metrics:  # first: a crash before the checkpoint reruns the epoch, trimmed
-                append_metrics(metrics, record)
+            end_epoch(metrics, record)  # printed; in metrics.jsonl before the checkpoint
             if out:
                 save(step)  # all ranks participate
 

@@ -24,25 +24,25 @@ degree (the experts re-placed), model.pt holds the whole model. --batch-size is 
 --lr is the peak AdamW rate per 256 samples of global batch.
 """
 
-import functools
 import itertools
 import math
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from common import (
     ViT,
-    append_metrics,
     check_output_dir,
     check_sharded_args,
     cleanup,
-    collate,
-    eval_shard,
+    end_epoch,
     evaluate,
     export_whole,
     fail,
@@ -50,6 +50,7 @@ from common import (
     get_world_size,
     init_distributed_mode,
     load_datasets,
+    log_loss,
     pad_batches,
     peer_failure,
     print0,
@@ -59,18 +60,12 @@ from common import (
     rng_state,
     save_sharded,
     seed_everything,
+    shard_loaders,
     sharded_parser,
     together,
     trim_metrics,
     warmup_cosine,
 )
-
-try:  # DTensor's public home since PyTorch 2.6
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:
-    DTensor = None
 
 
 def get_args(argv=None):
@@ -232,8 +227,7 @@ def average_gradients(model, mesh, world):
     whole, experts = split_grads(model)
     for grads, group in ((whole, None), (experts, mesh["dp"].get_group())):
         flat = torch.cat([g.flatten() for g in grads])
-        if group is None or mesh["dp"].size() > 1:
-            dist.all_reduce(flat, group=group)
+        dist.all_reduce(flat, group=group)
         for g, mean in zip(grads, (flat / world).split([g.numel() for g in grads]), strict=True):
             g.copy_(mean.view_as(g))
 
@@ -265,8 +259,6 @@ def read_meta(path, args):
 
 def main(argv=None):
     args = get_args(argv)
-    if DTensor is None:
-        fail(f"expert_parallel.py needs PyTorch 2.6 or newer (this is {torch.__version__})")
     # The process group: rank, world size and device from whichever launcher started us.
     info = init_distributed_mode(
         backend=args.backend, device=args.device, timeout_s=args.dist_timeout
@@ -275,13 +267,9 @@ def main(argv=None):
     try:
         ep = args.ep or world
 
-        def check_degree():  # every rank finds the same, and waits for the others to stop
-            if world % ep:
-                fail(f"EP degree {ep} does not divide the {world} processes")
-            if args.experts % ep:
-                fail(f"EP degree {ep} does not divide the {args.experts} experts")
-
-        together(check_degree)
+        for n, what in ((world, "processes"), (args.experts, "experts")):
+            if n % ep:  # every rank finds the same, and stops
+                fail(f"EP degree {ep} does not divide the {n} {what}")
         # The mesh: EP groups of ep consecutive ranks (one node's if ep divides its processes),
         # and dp = world / ep replicas of each.
         mesh = None
@@ -293,26 +281,17 @@ def main(argv=None):
         train_set, test_set, num_classes, in_channels = load_datasets(
             args.data, args.data_dir, args.download, None, info.local_rank
         )
-        if (shard := len(train_set) // world) < args.batch_size:
-            fail(f"--batch-size {args.batch_size} is larger than one process's shard ({shard})")
-        sampler = DistributedSampler(train_set, world, rank, seed=args.seed, drop_last=True)
-        pin = dict(collate_fn=collate, pin_memory=device.type == "cuda")
-        train_loader = DataLoader(
-            train_set, args.batch_size, sampler=sampler, drop_last=True, **pin
+        sampler, train_loader, test_loader = shard_loaders(
+            train_set, test_set, args, world, rank, device
         )
-        # Exact evaluation: each process 1/world of the test set, none padded in.
-        test_loader = DataLoader(eval_shard(test_set, rank, world), 2 * args.batch_size, **pin)
         steps_per_epoch, global_batch = len(train_loader), args.batch_size * world
         total_steps = args.epochs * steps_per_epoch
 
-        size = train_set[0][0].shape[-1]
         shape = (args.dim, args.heads, args.experts, args.top_k, args.capacity_factor)
-        model = MoEViT(in_channels, num_classes, size, *shape).to(device)
+        model = MoEViT(in_channels, num_classes, train_set[0][0].shape[-1], *shape).to(device)
         if mesh is not None:
             shard_experts(model, mesh)  # from here on, this process's experts only
-        autocast = functools.partial(
-            torch.autocast, device.type, torch.bfloat16, args.amp == "bf16"
-        )
+        autocast = partial(torch.autocast, device.type, torch.bfloat16, args.amp == "bf16")
 
         # Every rank writes its own pieces into the output directory: every rank checks it.
         out = together(lambda: args.output_dir and check_output_dir(args.output_dir))
@@ -322,7 +301,7 @@ def main(argv=None):
         optimizer = torch.optim.AdamW(model.parameters(), lr, weight_decay=args.weight_decay)
 
         # Resume: rank 0 finds and checks the checkpoint; every rank reads its pieces (any degree).
-        check = functools.partial(read_meta, args=args)
+        check = partial(read_meta, args=args)
         batches = (global_batch, steps_per_epoch)
         resume, step = resume_sharded(args, model, optimizer, check, batches, device)
 
@@ -339,11 +318,6 @@ def main(argv=None):
             loss, acc = evaluate_all()
             print0(f"eval {resume}: test_loss {loss:.4f} test_acc {acc:.4f}")
             return
-
-        def save(step):  # all ranks participate
-            meta = dict(step=step, steps_per_epoch=steps_per_epoch, rng=rng_state(device))
-            meta.update(global_batch=global_batch, args=dict(vars(args), model="moe-vit"))
-            save_sharded(out, model, optimizer, meta)
 
         start_epoch = step // steps_per_epoch
         metrics = out / "metrics.jsonl" if out and rank == 0 else None
@@ -387,14 +361,8 @@ def main(argv=None):
                 scheduler.step()
                 step, done = step + 1, done + 1
                 last = done == steps or step == args.max_steps
-                if step % args.log_every == 0 or last:
-                    # One all-reduce per log step (all ranks participate); every rank sees
-                    # the same NaN, so all stop before it can replace a good checkpoint.
-                    totals = reduce_value(torch.stack([loss_sum, count]))
-                    train_loss, lr_now = (totals[0] / totals[1]).item(), scheduler.get_last_lr()[0]
-                    if not math.isfinite(train_loss):
-                        fail(f"non-finite loss by step {step}: lower --lr or add --clip-grad")
-                    print0(f"epoch {epoch} step {step}: loss {train_loss:.4f} lr {lr_now:.3g}")
+                if step % args.log_every == 0 or last:  # all ranks participate: all stop on a NaN
+                    train_loss = log_loss(loss_sum, count, epoch, step, scheduler.get_last_lr()[0])
                 if last:
                     break
             seconds = time.perf_counter() - t0  # the loss all-reduce above synchronised
@@ -404,19 +372,18 @@ def main(argv=None):
             speed, lr_now = done * global_batch / seconds, scheduler.get_last_lr()[0]
             record = dict(epoch=epoch, step=step, train_loss=train_loss, test_loss=test_loss)
             record.update(test_acc=test_acc, epoch_seconds=seconds, samples_per_second=speed)
-            record.update(lr=lr_now, world_size=world, ep=ep)
             # Per block: the token choices each expert took this epoch; and those dropped.
             tokens, dropped = [r[:-1] for r in load], [r[-1] for r in load]
+            record.update(lr=lr_now, world_size=world, ep=ep)
             record.update(expert_tokens=tokens, dropped_tokens=dropped)
-            losses = f"train_loss {train_loss:.4f} test_loss {test_loss:.4f}"
-            print0(f"epoch {epoch}: {losses} test_acc {test_acc:.4f} {seconds:.1f}s")
+            end_epoch(metrics, record)  # printed; in metrics.jsonl before the checkpoint
             busiest = max(max(r[:-1]) / max(1, sum(r[:-1]) / args.experts) for r in load)
             lost = sum(dropped) / max(1, sum(map(sum, load)))
             print0(f"  busiest expert {busiest:.2f}x an even share; {lost:.1%} choices dropped")
-            if metrics:  # first: a crash before the checkpoint reruns the epoch, trimmed
-                append_metrics(metrics, record)
-            if out:
-                save(step)  # all ranks participate
+            if out:  # all ranks participate
+                meta = dict(step=step, steps_per_epoch=steps_per_epoch, rng=rng_state(device))
+                meta.update(global_batch=global_batch, args=dict(vars(args), model="moe-vit"))
+                save_sharded(out, model, optimizer, meta)
 
         # The whole model in one file that loads without DTensor (all ranks participate).
         export_whole(model, filter(None, [out and out / "model.pt", args.export]))

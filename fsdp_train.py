@@ -29,7 +29,6 @@ the global batch (batch size x processes x --accum-steps).
 import argparse
 import functools
 import itertools
-import math
 import time
 
 import torch
@@ -38,32 +37,30 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
-from torch.utils.data import DataLoader, DistributedSampler
 
 from common import (
     MODELS,
-    append_metrics,
     build_model,
     build_sharded,
     check_output_dir,
     check_sharded_args,
     cleanup,
-    collate,
-    eval_shard,
+    end_epoch,
     evaluate,
     export_whole,
     fail,
     fast_forward,
     init_distributed_mode,
     load_datasets,
+    log_loss,
     pad_batches,
     peer_failure,
     print0,
     read_sharded_meta,
-    reduce_value,
     resume_sharded,
     rng_state,
     save_sharded,
+    shard_loaders,
     sharded_parser,
     together,
     trim_metrics,
@@ -141,16 +138,9 @@ def main(argv=None):
         train_set, test_set, num_classes, in_channels = load_datasets(
             args.data, args.data_dir, args.download, None, info.local_rank
         )
-        if (shard := len(train_set) // world) < args.batch_size * args.accum_steps:
-            per_step = f"--batch-size {args.batch_size} x --accum-steps {args.accum_steps}"
-            fail(f"{per_step} is more than one rank's shard of the data ({shard})")
-        sampler = DistributedSampler(train_set, world, rank, seed=args.seed, drop_last=True)
-        pin = dict(collate_fn=collate, pin_memory=device.type == "cuda")
-        train_loader = DataLoader(
-            train_set, args.batch_size, sampler=sampler, drop_last=True, **pin
+        sampler, train_loader, test_loader = shard_loaders(
+            train_set, test_set, args, world, rank, device
         )
-        # Exact evaluation: every test sample once over all ranks, none padded in.
-        test_loader = DataLoader(eval_shard(test_set, rank, world), 2 * args.batch_size, **pin)
         steps_per_epoch = len(train_loader) // args.accum_steps
         global_batch = args.batch_size * world * args.accum_steps
         total_steps = args.epochs * steps_per_epoch
@@ -298,14 +288,8 @@ def main(argv=None):
                 step, done = step + 1, done + 1
                 last = done == steps or step == args.max_steps
                 snapshot = args.save_every and step % args.save_every == 0 and not last
-                if step % args.log_every == 0 or last or snapshot:
-                    # One all-reduce per log step (all ranks participate); every rank sees
-                    # the same NaN, so all stop before it can replace a good checkpoint.
-                    totals = reduce_value(torch.stack([loss_sum, count]))
-                    train_loss, lr_now = (totals[0] / totals[1]).item(), scheduler.get_last_lr()[0]
-                    if not math.isfinite(train_loss):
-                        fail(f"non-finite loss by step {step}: lower --lr or add --clip-grad")
-                    print0(f"epoch {epoch} step {step}: loss {train_loss:.4f} lr {lr_now:.3g}")
+                if step % args.log_every == 0 or last or snapshot:  # all ranks participate
+                    train_loss = log_loss(loss_sum, count, epoch, step, scheduler.get_last_lr()[0])
                 if snapshot:
                     save(step)  # a mid-epoch checkpoint; all ranks participate
                 if last:
@@ -317,10 +301,7 @@ def main(argv=None):
             record = dict(epoch=epoch, step=step, train_loss=train_loss, test_loss=test_loss)
             record.update(test_acc=test_acc, epoch_seconds=seconds, samples_per_second=speed)
             record.update(lr=lr_now, world_size=world)
-            losses = f"train_loss {train_loss:.4f} test_loss {test_loss:.4f}"
-            print0(f"epoch {epoch}: {losses} test_acc {test_acc:.4f} {seconds:.1f}s")
-            if metrics:  # first: a crash before the checkpoint reruns the epoch, trimmed
-                append_metrics(metrics, record)
+            end_epoch(metrics, record)  # printed; in metrics.jsonl before the checkpoint
             if out:
                 save(step)  # all ranks participate
         if pending:

@@ -64,14 +64,14 @@ def evaluate(*args, **kwargs):  # its forwards are not training's
 fsdp_train.evaluate = evaluate
 
 
-class Sampler(fsdp_train.DistributedSampler):
+class Sampler(common.DistributedSampler):
     def __iter__(self):
         order = list(super().__iter__())
         seen.setdefault("order", []).append(order)  # one per epoch
         return iter(order)
 
 
-fsdp_train.DistributedSampler = Sampler
+common.DistributedSampler = Sampler  # what common.shard_loaders makes
 
 if "collectives" in modes:
     # FSDP2's collectives, named by PyTorch release.

@@ -577,22 +577,31 @@ torch.nn.functional.cross_entropy = cross_entropy
 
 
 @pytest.mark.parametrize(
-    "script, argv, spreads",
+    "script, argv, spreads, error",
     [
         # Plain DDP: the NaN would reach rank 0 through the next gradient all-reduce; here
         # the gradients stay finite: the all-reduced totals alone tell rank 0.
-        ("ddp_train", ["--log-every", "10"], False),  # the quick tier's
+        ("ddp_train", ["--log-every", "10"], False, "at step 5: lower --lr, .*"),  # quick tier
         # Local SGD: nothing is all-reduced between averagings (steps 8, 16); the check at
         # step 7 comes before rank 1's NaN weights reach rank 0.
         pytest.param(
             "ddp_comm",
             ["--log-every", "7", "--local-sgd-period", "8", "--local-sgd-start", "0"],
             True,
+            "at step 5: lower --lr, .*",
             marks=pytest.mark.slow,
+        ),
+        # The four sharded scripts share common.log_loss, which checks at log steps (every 4
+        # here): both name step 8. Each rank checking its own loss would stop rank 1 alone.
+        (
+            "fsdp_train",
+            ["--batch-size", "16", "--log-every", "4"],
+            False,
+            "by step 8: lower --lr or add --clip-grad",
         ),
     ],
 )
-def test_every_rank_stops_at_the_first_non_finite_step_one_rank_saw(script, argv, spreads):
+def test_every_rank_stops_at_the_first_non_finite_step_one_rank_saw(script, argv, spreads, error):
     """The ranks check the all-reduced loss totals, not their own: when rank 1 alone sees a
     non-finite loss, rank 0 stops at the same check (a rank stopping alone would leave the
     other waiting in a collective), and both name the first bad step, which only rank 1 saw.
@@ -600,7 +609,7 @@ def test_every_rank_stops_at_the_first_non_finite_step_one_rank_saw(script, argv
     code = NAN_RANK.format(script=script, spreads=spreads)
     procs = two_ranks(["-c", code, *SYNTHETIC, "--model", "mlp", "--max-steps", "20", *argv])
     lines = [error_line(r) for r in finish(procs, timeout=300)]  # a hang, not a slow machine
-    assert re.fullmatch(r"error: non-finite loss at step 5: lower --lr, .*", lines[0]), lines
+    assert re.fullmatch(f"error: non-finite loss {error}", lines[0]), lines
     assert lines[0] == lines[1]
 
 

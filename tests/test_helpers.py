@@ -1,6 +1,8 @@
 """common.py's smaller promises: the output-directory probe that no other process can delete,
-the note for mixed precision that runs slowly, and the message of a failed download."""
+the note for mixed precision that runs slowly, the message of a failed download, and the
+sharded scripts' data loaders."""
 
+import argparse
 import threading
 import urllib.error
 import urllib.request
@@ -88,3 +90,31 @@ def test_failed_download_says_so(monkeypatch, tmp_path):
     assert message.startswith("error: downloading mnist into ") and "failed" in message, message
     assert "pass --download" not in message and "drop --download" in message
     assert "\n" not in message
+
+
+def test_shard_loaders_cut_the_data_for_each_data_parallel_group():
+    """common.shard_loaders, the sharded scripts' data: each of 3 groups its own third of an
+    epoch, reshuffled by set_epoch; the test set once over the groups (499: uneven thirds);
+    a batch larger than a shard refused in one line."""
+    train_set, test_set, _, _ = common.load_datasets("synthetic", None)
+    args = argparse.Namespace(batch_size=50, seed=0)
+    cpu = torch.device("cpu")
+    loaders = [common.shard_loaders(train_set, test_set, args, 3, i, cpu) for i in range(3)]
+
+    def epoch(e):
+        for sampler, _, _ in loaders:
+            sampler.set_epoch(e)
+        return [torch.cat([labels for _, labels in train]) for _, train, _ in loaders]
+
+    first, second = epoch(0), epoch(1)
+    assert [len(t) for t in first] == [650] * 3  # 666 a shard, 13 whole batches of 50
+    assert not torch.equal(first[0], second[0])  # epoch 1 is not epoch 0's order
+    indices = [list(sampler) for sampler, _, _ in loaders]
+    assert len(set(sum(indices, []))) == 3 * 666  # disjoint shards
+    tests = [list(test.dataset.indices) for _, _, test in loaders]
+    assert [len(t) for t in tests] == [167, 166, 166]
+    assert sorted(sum(tests, [])) == list(range(len(test_set)))  # each sample once, no padding
+    assert sum(len(labels) for _, _, test in loaders for _, labels in test) == len(test_set)
+    too_big = argparse.Namespace(batch_size=400, seed=0, accum_steps=2)
+    with pytest.raises(SystemExit, match="--batch-size 400 x --accum-steps 2 is larger than one"):
+        common.shard_loaders(train_set, test_set, too_big, 3, 0, cpu)
