@@ -47,6 +47,9 @@ RAW_FILES = (
 )
 
 
+OTHERS = "# Figures measured outside `run_all.py`"  # where results.md's other part begins
+
+
 def log(message):
     """Progress goes to stderr; stdout carries only the markdown."""
     print(message, file=sys.stderr, flush=True)
@@ -1099,7 +1102,12 @@ def main():
     markdown = "\n".join(header + [""] + body).rstrip() + "\n"
     print(markdown)
 
-    (results_dir / "results.md").write_text(markdown)
+    # The figures other benchmarks put below run_all.py's stay: only its own part is replaced.
+    old = results_dir / "results.md"
+    rest = old.read_text().partition(OTHERS)[1:] if old.exists() else ("", "")
+    (results_dir / "results.md").write_text(
+        markdown + ("\n---\n\n" + "".join(rest) if rest[0] else "")
+    )
     results = dict(
         machine=dict(info, load_average_at_start=load_before),
         command=command,
