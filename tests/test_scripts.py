@@ -1,6 +1,7 @@
 """Each script end to end on synthetic data: it trains, writes the output contract
 (metrics.jsonl and a checkpoint whose weights load into a plain model), and learns."""
 
+import math
 import re
 
 import pytest
@@ -9,15 +10,18 @@ from conftest import (
     CNN_ARGS,
     METRIC_KEYS,
     MLP_ARGS,
+    ROOT,
     SYNTHETIC,
     assert_state_close,
     load_ckpt,
     max_abs_diff,
     read_metrics,
     run_python,
+    torchrun,
 )
 
 import common
+import expert_parallel
 
 CHECKPOINT_KEYS = {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "rng"}
 CHECKPOINT_KEYS |= {"steps_per_epoch", "world_size"}
@@ -121,3 +125,41 @@ def test_imagefolder_trains(tmp_path):
     argv += ["--workers", "1", "--batch-size", "8", "--epochs", "3", "--lr", "1"]
     run_python(["ddp_train.py", *argv, "--output-dir", tmp_path / "o"])
     assert read_metrics(tmp_path / "o")[-1]["test_acc"] == 1.0
+
+
+# The quick tier's real run of each newer sharded script: the three, one after another, in
+# the same two torchrun processes (one start-up instead of three; each main() makes and ends
+# its own process group).
+THREE_RUNS = """
+import sys
+sys.path.insert(0, {root!r})
+import context_parallel, expert_parallel, tensor_parallel
+for script in (tensor_parallel, context_parallel, expert_parallel):
+    out = f"{{sys.argv[1]}}/{{script.__name__}}"
+    script.main([*sys.argv[2:], "--output-dir", out])
+"""
+
+
+def test_tensor_context_and_expert_parallel_each_train_on_two_processes(tmp_path):
+    """Two steps of 2 x 8 samples each, then evaluation and model.pt: metrics.jsonl says 2
+    processes and a finite loss; model.pt loads into the script's model; expert_parallel.py's
+    counts add up to every choice of every token over both processes, each counted once."""
+    driver = tmp_path / "three.py"
+    driver.write_text(THREE_RUNS.format(root=str(ROOT)))
+    flags = [*SYNTHETIC, "--max-steps", "2", "--batch-size", "8", "--dist-timeout", "60"]
+    torchrun(2, [driver, tmp_path, *flags])
+    for name in ("tensor_parallel", "context_parallel", "expert_parallel"):
+        [record] = read_metrics(tmp_path / name)
+        assert (record["step"], record["world_size"]) == (2, 2), name
+        assert math.isfinite(record["train_loss"]) and 0 <= record["test_acc"] <= 1, name
+
+    def whole(out):
+        return torch.load(out / "model.pt", map_location="cpu", weights_only=True)
+
+    common.ViT(1, 10, 28).load_state_dict(whole(tmp_path / "tensor_parallel"))
+    common.ViT(1, 10, 28, patch=(1, 28)).load_state_dict(whole(tmp_path / "context_parallel"))
+    moe = expert_parallel.MoEViT(1, 10, 28, 96, 4, 8, 2, 1.25)
+    moe.load_state_dict(whole(tmp_path / "expert_parallel"))
+    choices = 2 * 16 * 16 * 2  # steps x global batch x tokens an image x top-k
+    for took, dropped in zip(record["expert_tokens"], record["dropped_tokens"], strict=True):
+        assert sum(took) + dropped == choices
