@@ -4,7 +4,6 @@ the all-to-all sizes, resume at another degree, exact evaluation, the export, th
 bad input, and the benchmark in a small form. All on CPU with gloo."""
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -224,8 +223,9 @@ def eval_only(nproc, checkpoint, *flags):
 @pytest.mark.slow
 def test_evaluation_is_exact_at_every_degree_and_the_export_loads_alone(ep2):
     """model.pt in one process with every expert, at a batch of 256: the accuracy of
-    metrics.jsonl; --eval-only of the checkpoint at 1, 2 and 4 processes (EP 1, 2, 4), and at
-    4 as 2 x EP 2 (the ranks' numbers of batches uneven), the same."""
+    metrics.jsonl; --eval-only of the checkpoint at 1 and 2 processes (EP 1, 2), and at 4 as
+    2 x EP 2 (the ranks' numbers of batches uneven), the same. (EP 4's evaluation: the test
+    loss and accuracy that test_ep4_... compares with one process's.)"""
     _, out = ep2
     model = expert_parallel.MoEViT(1, 10, 28, 96, 4, EXPERTS, K, 1.0)
     model.load_state_dict(whole(out))
@@ -235,7 +235,7 @@ def test_evaluation_is_exact_at_every_degree_and_the_export_loads_alone(ep2):
     assert read_metrics(out)[-1]["test_acc"] == acc
     assert read_metrics(out)[-1]["test_loss"] == pytest.approx(loss, abs=1e-6)
     expected = pytest.approx((round(loss, 4), round(acc, 4)), abs=1.1e-4)
-    for nproc, flags in [(1, []), (2, []), (4, []), (4, ["--ep", "2"])]:
+    for nproc, flags in [(1, []), (2, []), (4, ["--ep", "2"])]:
         assert eval_only(nproc, out / "checkpoint", *flags) == expected, (nproc, flags)
 
 
@@ -274,28 +274,18 @@ def test_refusals(no_launcher):
             expert_parallel.get_args(flags)
 
 
-@pytest.mark.parametrize("case", ["ddp-file", "other-experts", "missing-piece"])
 @pytest.mark.slow
-def test_bad_checkpoint_is_one_line_on_every_rank(tmp_path, ep2, case):
-    bad = tmp_path / "checkpoint"
-    shutil.copytree(ep2[1] / "checkpoint", bad)
-    flags = []
-    if case == "ddp-file":
-        bad = tmp_path / "checkpoint.pt"
-        torch.save(dict(model=initial()), bad)
-    elif case == "other-experts":
-        flags = ["--experts", "4"]
-    else:
-        (bad / "__1_0.distcp").unlink()  # rank 1's: rank 0 could read its own part
+def test_a_checkpoint_of_another_model_is_one_line_on_every_rank(tmp_path, ep2):
+    """Asked of a checkpoint it does not fit. (A single-file checkpoint and a missing piece are
+    common.resume_sharded's checks, the same for the four sharded scripts: test_fsdp.py.)"""
     out = tmp_path / "out"
-    argv = [*FAST, *flags, "--resume", bad, "--output-dir", out, "--batch-size", "6"]
-    errors = one_line_errors("expert_parallel.py", [*argv, "--dist-timeout", "100"])
-    expected = {
-        "ddp-file": "is a single-file checkpoint",
-        "other-experts": "holds a moe-vit of --dim 96 --heads 4 --experts 8 --top-k 2",
-        "missing-piece": "cannot read checkpoint",
-    }[case]
-    assert expected in errors[0] and len(set(errors)) == 1, errors
+    argv = [*FAST, "--experts", "4", "--resume", ep2[1] / "checkpoint", "--output-dir", out]
+    argv += ["--batch-size", "6", "--dist-timeout", "100"]
+    errors = one_line_errors("expert_parallel.py", argv)
+    assert (
+        "holds a moe-vit of --dim 96 --heads 4 --experts 8 --top-k 2" in errors[0]
+        and len(set(errors)) == 1
+    ), errors
     assert not out.exists() or not any(out.iterdir())  # nothing written
 
 
