@@ -962,8 +962,12 @@ def machine():
     git = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
+    # Changes to tracked files only: a data folder linked in, or run outputs, change no code.
     dirty = subprocess.run(
-        ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     ).stdout.strip()
     return dict(
         cores=cores,
