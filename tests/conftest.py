@@ -92,6 +92,31 @@ def torchrun(nproc, args, timeout=180, check=True):
     return run_python(launcher + list(args), timeout=timeout, check=check)
 
 
+def torchrun_workers(nproc, args, timeout=180, check=True):
+    """nproc plain processes with the variables torchrun gives its workers (RANK, WORLD_SIZE,
+    LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; OMP_NUM_THREADS=1): the processes
+    of torchrun --standalone without its agent, which costs about 2 s a launch here (the
+    agent's own import of torch). For tests of what the processes compute; what torchrun adds
+    (its store, restarts, tearing down the others when one fails) is tested under real
+    torchrun: test_launch.py, test_faults.py, the docstring commands, test_scripts.py."""
+    for attempt in range(2):
+        port = free_port()
+        envs = [
+            clean_env(RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r))
+            | dict(LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            for r in range(nproc)
+        ]
+        results = run_ranks(args, envs, timeout=timeout, check=False)
+        taken = any("EADDRINUSE" in r.stderr for r in results)  # another process took it first
+        if not taken or attempt:
+            break
+    if check and any(r.returncode != 0 for r in results):
+        raise AssertionError("a rank failed:\n" + "\n".join(_report(r.args, r) for r in results))
+    code = next((r.returncode for r in results if r.returncode), 0)
+    out, err = ("".join(getattr(r, s) for r in results) for s in ("stdout", "stderr"))
+    return subprocess.CompletedProcess(results[0].args, code, out, err)
+
+
 def run_ranks(args, envs, timeout=180, check=True):
     """Start one `python ARGS` per environment in `envs` (one per rank) and wait for all. `args`
     is one command line for every rank, or a list of them, one per rank. Raises with every

@@ -15,7 +15,7 @@ from conftest import (
     max_abs_diff,
     read_metrics,
     run_python,
-    torchrun,
+    torchrun_workers,
 )
 
 # Measured after 5 steps of the MLP (weights up to 0.12): fp32 DDP is 2e-8 from one
@@ -27,7 +27,7 @@ TOLERANCE = {"fp16": 2e-4, "bf16": 1e-3}
 @pytest.mark.slow
 @pytest.mark.parametrize("hook", ["fp16", "bf16"])
 def test_compressed_allreduce_stays_within_rounding(tmp_path, mlp_reference, hook):
-    torchrun(
+    torchrun_workers(
         2,
         [
             "ddp_comm.py",
@@ -48,7 +48,7 @@ def test_compressed_allreduce_stays_within_rounding(tmp_path, mlp_reference, hoo
 
 @pytest.mark.slow
 def test_powersgd_learns_and_compresses(tmp_path):
-    proc = torchrun(
+    proc = torchrun_workers(
         2, ["ddp_comm.py", *CNN_ARGS, "--comm-hook", "powersgd", "--output-dir", tmp_path]
     )
     # Rank 4 of the CNN's weight matrices (64 x 288 and smaller): about 6x fewer numbers.
@@ -79,5 +79,7 @@ def test_powersgd_with_several_buckets_keeps_ranks_in_step(tmp_path):
         "8",
         *DIST_TIMEOUT,
     ]
-    proc = torchrun(2, ["ddp_comm.py", *args, "--comm-hook", "powersgd", "--powersgd-start", "2"])
+    proc = torchrun_workers(
+        2, ["ddp_comm.py", *args, "--comm-hook", "powersgd", "--powersgd-start", "2"]
+    )
     assert "72.0x fewer" in proc.stdout  # rank 4 of ResNet-18's matrices

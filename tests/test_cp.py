@@ -19,7 +19,7 @@ from conftest import (
     one_line_errors,
     read_metrics,
     run_python,
-    torchrun,
+    torchrun_workers,
 )
 
 import common
@@ -48,7 +48,7 @@ def probe(nproc, reports, *flags, dp=1, train=()):
     """tests/cp_probe.py on nproc processes (one: a plain `python`, unsplit): rank 0's report
     and the output directory."""
     argv = probe_argv(reports, *flags, dp=dp, train=train)
-    run_python(argv) if nproc == 1 else torchrun(nproc, argv)
+    run_python(argv) if nproc == 1 else torchrun_workers(nproc, argv)
     return torch.load(Path(reports, "rank0.pt"), weights_only=False), Path(reports, "out")
 
 
@@ -236,8 +236,8 @@ def test_resume_at_another_degree_ends_where_one_run_ends(tmp_path):
     epoch_1 = torch.cat(ref["labels"][2:])
     assert not torch.equal(epoch_1, torch.cat(ref["labels"][:2]))  # a new order
     run = tmp_path / "run"
-    torchrun(2, probe_argv(run, "--max-steps", STEPS - 1, train=[TRAIN]))
-    proc = torchrun(4, probe_argv(run, "--cp-impl", "allgather", dp=2, train=[TRAIN]))
+    torchrun_workers(2, probe_argv(run, "--max-steps", STEPS - 1, train=[TRAIN]))
+    proc = torchrun_workers(4, probe_argv(run, "--cp-impl", "allgather", dp=2, train=[TRAIN]))
     assert "at epoch 1, step 1 of 2" in proc.stdout, proc.stdout
     seen = torch.load(run / "rank0.pt", weights_only=False)
     assert len(seen["labels"]) == 1 and torch.equal(seen["labels"][0], ref["labels"][-1][::2])
@@ -249,7 +249,7 @@ def test_resume_at_another_degree_ends_where_one_run_ends(tmp_path):
 def eval_only(nproc, checkpoint, *flags):
     argv = ["context_parallel.py", *SYNTHETIC, "--batch-size", "83", *flags]
     argv += ["--eval-only", "--resume", checkpoint]
-    proc = run_python(argv) if nproc == 1 else torchrun(nproc, argv)
+    proc = run_python(argv) if nproc == 1 else torchrun_workers(nproc, argv)
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("eval ")]
     loss, acc = line.split("test_loss ")[1].split(" test_acc ")
     return float(loss), float(acc.split()[0])

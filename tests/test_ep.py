@@ -18,7 +18,7 @@ from conftest import (
     one_line_errors,
     read_metrics,
     run_python,
-    torchrun,
+    torchrun_workers,
 )
 from torch.utils.data import DistributedSampler
 
@@ -41,9 +41,9 @@ def probe(nproc, reports, *flags):
     out = Path(reports) / "out"
     argv = ["tests/ep_probe.py", reports, "--", *FAST, "--max-steps", str(STEPS)]
     argv += ["--batch-size", str(GLOBAL_BATCH // nproc), "--output-dir", out, *flags]
-    run_python(argv) if nproc == 1 else torchrun(nproc, argv)
-    ranks = [torch.load(Path(reports, f"rank{r}.pt"), weights_only=False) for r in range(nproc)]
-    return ranks, out
+    run_python(argv) if nproc == 1 else torchrun_workers(nproc, argv)
+    reports = [torch.load(Path(reports, f"rank{r}.pt"), weights_only=False) for r in range(nproc)]
+    return reports, out
 
 
 def whole(out):
@@ -201,8 +201,8 @@ def test_resume_at_another_degree_ends_where_one_run_ends(tmp_path, reference):
     mid-epoch, and ends with the weights of the uninterrupted single process."""
     out = tmp_path / "run"
     argv = ["expert_parallel.py", *FAST, "--output-dir", out, "--max-steps", str(STEPS)]
-    torchrun(2, [*argv, "--batch-size", "6", "--max-steps", "2"])
-    proc = torchrun(4, [*argv, "--batch-size", "3"])
+    torchrun_workers(2, [*argv, "--batch-size", "6", "--max-steps", "2"])
+    proc = torchrun_workers(4, [*argv, "--batch-size", "3"])
     assert "at epoch 0, step 2 of" in proc.stdout, proc.stdout
     a, b = whole(out), whole(reference[1])
     for key, start in initial().items():
@@ -214,7 +214,7 @@ def eval_only(nproc, checkpoint, *flags):
     # test samples, in 2, 2, 2 and 1 batches: rank 3 runs an empty one (forward exchanges rows)
     argv = ["expert_parallel.py", *SYNTHETIC, "--batch-size", "62", *flags]
     argv += ["--eval-only", "--resume", checkpoint, "--capacity-factor", "1"]
-    proc = run_python(argv) if nproc == 1 else torchrun(nproc, argv)
+    proc = run_python(argv) if nproc == 1 else torchrun_workers(nproc, argv)
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("eval ")]
     loss, acc = line.split("test_loss ")[1].split(" test_acc ")
     return float(loss), float(acc.split()[0])
@@ -388,7 +388,7 @@ def test_each_epoch_takes_a_new_order(tmp_path):
     epoch 0's (without set_epoch every epoch would repeat epoch 0's)."""
     out = tmp_path / "out"
     argv = ["tests/ep_probe.py", tmp_path, "--", *FAST, "--epochs", "2", "--max-steps", "0"]
-    torchrun(2, [*argv, "--batch-size", "500", "--output-dir", out])
+    torchrun_workers(2, [*argv, "--batch-size", "500", "--output-dir", out])
     labels = common.load_datasets("synthetic", "data")[0].labels
     for rank in (0, 1):
         seen = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)["labels"]

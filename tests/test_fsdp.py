@@ -19,6 +19,7 @@ from conftest import (
     read_metrics,
     run_python,
     torchrun,
+    torchrun_workers,
 )
 
 import common
@@ -46,7 +47,7 @@ def train(tmp_path, name, nproc, model, *extra):
     if nproc == 1:
         run_python(argv)
     else:
-        torchrun(nproc, argv)
+        torchrun_workers(nproc, argv)
     return out
 
 
@@ -111,7 +112,7 @@ def probe(mode, nproc, *flags, steps=2):
     with tempfile.TemporaryDirectory() as reports:
         argv = ["tests/fsdp_probe.py", mode, reports, "--", *FAST, "--model", "vit", *flags]
         argv += ["--max-steps", str(steps), "--batch-size", str(GLOBAL_BATCH // nproc)]
-        run_python(argv) if nproc == 1 else torchrun(nproc, argv)
+        run_python(argv) if nproc == 1 else torchrun_workers(nproc, argv)
         return json.loads(Path(reports, "rank0.json").read_text())
 
 
@@ -127,7 +128,7 @@ def test_clipping_uses_the_norm_of_the_whole_gradient():
 
 def test_each_rank_holds_a_third_of_every_parameter_and_of_the_optimizer_state(tmp_path):
     argv = ["tests/fsdp_probe.py", "shards", tmp_path, "--", *FAST, "--model", "vit"]
-    torchrun(3, [*argv, "--max-steps", "1", "--batch-size", "4"])
+    torchrun_workers(3, [*argv, "--max-steps", "1", "--batch-size", "4"])
     reports = [json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")]
     reports = {r["rank"]: r["shapes"] for r in reports}
     assert sorted(reports) == [0, 1, 2]
@@ -183,7 +184,7 @@ def eval_only(nproc, checkpoint):
     # and 1 batches, so the ranks with fewer run an empty one while rank 0 runs its second.
     argv = ["fsdp_train.py", *SYNTHETIC, "--model", "vit", "--batch-size", "83"]
     argv += ["--eval-only", "--resume", checkpoint]
-    proc = run_python(argv) if nproc == 1 else torchrun(nproc, argv)
+    proc = run_python(argv) if nproc == 1 else torchrun_workers(nproc, argv)
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("eval ")]
     loss, acc = line.split("test_loss ")[1].split(" test_acc ")
     return float(loss), float(acc.split()[0])
@@ -247,7 +248,7 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path):
     assert proc.returncode != 0
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[1])["epoch"] == 1
     (out / "checkpoint").rename(out / "checkpoint.old")
-    proc = torchrun(2, ["fsdp_train.py", *argv, "--max-steps", "167"])
+    proc = torchrun_workers(2, ["fsdp_train.py", *argv, "--max-steps", "167"])
     assert "resumed from" in proc.stdout and "at epoch 1, step 0 of 166" in proc.stdout
     assert [m["epoch"] for m in read_metrics(out)] == [0, 1]
     assert not (out / "checkpoint.old").exists() and not (out / "checkpoint.tmp").exists()
@@ -286,7 +287,7 @@ def run_probe(mode, nproc, tmp, *flags, model="vit", batch=None):
     reports.mkdir(parents=True)
     argv = ["tests/fsdp_probe.py", mode, reports, "--", *FAST, "--model", model, *flags]
     argv += ["--batch-size", str(batch or GLOBAL_BATCH // nproc), "--output-dir", out]
-    run_python(argv) if nproc == 1 else torchrun(nproc, argv)
+    run_python(argv) if nproc == 1 else torchrun_workers(nproc, argv)
     found = [json.loads(p.read_text()) for p in reports.glob("rank*.json")]
     return {r["rank"]: r for r in found}, out
 
@@ -383,10 +384,10 @@ def test_resume_at_other_numbers_of_processes_and_with_hsdp_is_exact(tmp_path, r
     run (FSDP and HSDP checkpoints resume each other at any number of processes)."""
     out = tmp_path / "run"
     argv = ["fsdp_train.py", *FAST, "--model", "vit", "--output-dir", out]
-    torchrun(2, [*argv, "--batch-size", "6", "--max-steps", "2"])
-    proc = torchrun(4, [*argv, "--batch-size", "3", "--replicate", "2", "--max-steps", "4"])
+    torchrun_workers(2, [*argv, "--batch-size", "6", "--max-steps", "2"])
+    proc = torchrun_workers(4, [*argv, "--batch-size", "3", "--replicate", "2", "--max-steps", "4"])
     assert "resumed from" in proc.stdout and "at epoch 0, step 2 of" in proc.stdout, proc.stdout
-    proc = torchrun(3, [*argv, "--batch-size", "4"])
+    proc = torchrun_workers(3, [*argv, "--batch-size", "4"])
     assert "at epoch 0, step 4 of" in proc.stdout, proc.stdout
     assert_same_training(out, references["vit"], "vit", resumed=True)
 
@@ -406,7 +407,7 @@ def test_a_crash_during_an_async_save_leaves_the_last_one_and_resume_is_exact(tm
     assert torch.load(out / "checkpoint/meta.pt", weights_only=True)["step"] == 2
     (out / "checkpoint.old").mkdir()
     (out / "checkpoint.old/__0_0.distcp").write_bytes(b"half removed")
-    proc = torchrun(2, ["fsdp_train.py", *FAST, *proc_flags, "--output-dir", out])
+    proc = torchrun_workers(2, ["fsdp_train.py", *FAST, *proc_flags, "--output-dir", out])
     assert "at epoch 0, step 2 of" in proc.stdout, proc.stdout
     assert torch.load(out / "checkpoint/meta.pt", weights_only=True)["step"] == 5
     assert not (out / "checkpoint.old").exists() and not (out / "checkpoint.tmp").exists()

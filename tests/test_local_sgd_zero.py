@@ -22,7 +22,7 @@ from conftest import (
     load_ckpt,
     read_metrics,
     run_python,
-    torchrun,
+    torchrun_workers,
 )
 
 import common
@@ -89,7 +89,7 @@ def probe(tmp_path, nproc, args):
     """torchrun ddp_comm.py's `args` (--output-dir tmp_path) under PROBE; its output, and
     what each rank recorded."""
     (tmp_path / "probe.py").write_text(PROBE)
-    proc = torchrun(nproc, [tmp_path / "probe.py", *args, "--output-dir", tmp_path])
+    proc = torchrun_workers(nproc, [tmp_path / "probe.py", *args, "--output-dir", tmp_path])
     return proc, [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(nproc)]
 
 
@@ -168,7 +168,9 @@ def test_local_sgd_with_period_1_is_plain_ddp(tmp_path, mlp_reference):
     # Average after every step: the mean of the ranks' SGD steps is the step on the mean
     # gradient (weight decay and momentum are linear), that is DDP's, up to rounding.
     flags = ["--local-sgd-period", "1", "--local-sgd-start", "0"]
-    torchrun(2, ["ddp_comm.py", *MLP_ARGS, "--batch-size", "16", *flags, "--output-dir", tmp_path])
+    torchrun_workers(
+        2, ["ddp_comm.py", *MLP_ARGS, "--batch-size", "16", *flags, "--output-dir", tmp_path]
+    )
     ckpt, reference = load_ckpt(tmp_path), load_ckpt(mlp_reference)
     assert ckpt["step"] == reference["step"] == 5
     assert_state_close(ckpt["model"], reference["model"], atol=ATOL)
@@ -192,9 +194,13 @@ def test_local_sgd_resume_goes_on_exactly(tmp_path):
         "--save-every",
         "6",
     ]
-    torchrun(2, ["ddp_comm.py", *args, "--max-steps", "12", "--output-dir", tmp_path / "straight"])
-    torchrun(2, ["ddp_comm.py", *args, "--max-steps", "6", "--output-dir", tmp_path / "stopped"])
-    proc = torchrun(
+    torchrun_workers(
+        2, ["ddp_comm.py", *args, "--max-steps", "12", "--output-dir", tmp_path / "straight"]
+    )
+    torchrun_workers(
+        2, ["ddp_comm.py", *args, "--max-steps", "6", "--output-dir", tmp_path / "stopped"]
+    )
+    proc = torchrun_workers(
         2, ["ddp_comm.py", *args, "--max-steps", "12", "--output-dir", tmp_path / "stopped"]
     )
     assert "resumed from" in proc.stdout and "step 6 of" in proc.stdout
@@ -212,7 +218,7 @@ def test_local_sgd_resume_goes_on_exactly(tmp_path):
 def zero_stopped(tmp_path_factory):
     """2 processes with --zero, stopped after 2 of MLP_ARGS's 5 steps."""
     out = tmp_path_factory.mktemp("zero_stopped")
-    torchrun(
+    torchrun_workers(
         2,
         [
             "ddp_comm.py",
@@ -244,7 +250,7 @@ def test_zero_resumed_equals_plain_ddp(tmp_path, zero_stopped, mlp_reference):
     out = tmp_path / "run"
     out.mkdir()
     (out / "checkpoint.pt").write_bytes((zero_stopped / "checkpoint.pt").read_bytes())
-    proc = torchrun(
+    proc = torchrun_workers(
         2, ["ddp_comm.py", *MLP_ARGS, "--batch-size", "16", "--zero", "--output-dir", out]
     )
     assert "resumed from" in proc.stdout and "at epoch 0, step 2" in proc.stdout
@@ -264,7 +270,7 @@ def test_zero_checkpoint_loads_at_another_world_size(tmp_path, zero_stopped):
     run_python(
         ["ddp_comm.py", *MLP_ARGS, "--batch-size", "48", *resume, "--output-dir", tmp_path / "one"]
     )
-    proc = torchrun(
+    proc = torchrun_workers(
         3,
         [
             "ddp_comm.py",

@@ -21,7 +21,7 @@ from conftest import (
     one_line_errors,
     read_metrics,
     run_python,
-    torchrun,
+    torchrun_workers,
 )
 from torch.utils.data import DistributedSampler
 
@@ -52,7 +52,7 @@ def probe(nproc, reports, *flags, dp=1):
     """tests/tp_probe.py on nproc processes (one: a plain `python`, unsplit): rank 0's report
     and the output directory."""
     argv = probe_argv(reports, *flags, dp=dp)
-    run_python(argv) if nproc == 1 else torchrun(nproc, argv)
+    run_python(argv) if nproc == 1 else torchrun_workers(nproc, argv)
     return torch.load(Path(reports, "rank0.pt"), weights_only=False), Path(reports, "out")
 
 
@@ -243,8 +243,8 @@ def test_each_rank_holds_its_part_of_every_split_weight(tp2):
 def test_resume_at_another_degree_ends_where_one_run_ends(tmp_path, reference):
     """TP 2 stops after 3 of 4 steps, in epoch 1; 2 x 2 goes on from its pieces with epoch 1's
     next batch (its order, its position) and ends with the uninterrupted process's weights."""
-    torchrun(2, probe_argv(tmp_path, "--max-steps", STEPS - 1))
-    proc = torchrun(4, probe_argv(tmp_path, dp=2))
+    torchrun_workers(2, probe_argv(tmp_path, "--max-steps", STEPS - 1))
+    proc = torchrun_workers(4, probe_argv(tmp_path, dp=2))
     assert f"at epoch 1, step 1 of {STEPS_PER_EPOCH}" in proc.stdout, proc.stdout
     seen, ref = torch.load(tmp_path / "rank0.pt", weights_only=False), reference[0]
     assert len(seen["labels"]) == 1 and torch.equal(seen["labels"][0], ref["labels"][-1][::2])
@@ -258,7 +258,7 @@ def eval_only(nproc, checkpoint, *flags):
     # samples, in 2, 1 and 1 batches: the groups with fewer run an empty one.
     argv = ["tensor_parallel.py", *SYNTHETIC, "--batch-size", "83", *flags]
     argv += ["--eval-only", "--resume", checkpoint]
-    proc = run_python(argv) if nproc == 1 else torchrun(nproc, argv)
+    proc = run_python(argv) if nproc == 1 else torchrun_workers(nproc, argv)
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("eval ")]
     loss, acc = line.split("test_loss ")[1].split(" test_acc ")
     return float(loss), float(acc.split()[0])
@@ -339,7 +339,7 @@ def test_an_fsdp_checkpoint_of_the_vit_evaluates_the_same_under_tensor_paralleli
     """fsdp_train.py's ViT shards (2 processes) read by TP 2: the same keys, other pieces."""
     out = tmp_path / "fsdp"
     argv = [*SYNTHETIC, "--batch-size", "83", "--max-steps", "2", "--output-dir", out]
-    torchrun(2, ["fsdp_train.py", *argv])
+    torchrun_workers(2, ["fsdp_train.py", *argv])
     last = read_metrics(out)[-1]
     expected = pytest.approx((last["test_loss"], last["test_acc"]), abs=1.1e-4)
     assert eval_only(2, out / "checkpoint") == expected
