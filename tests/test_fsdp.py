@@ -126,11 +126,17 @@ def test_clipping_uses_the_norm_of_the_whole_gradient():
     assert norms == pytest.approx(reference, rel=1e-5)
 
 
-def test_each_rank_holds_a_third_of_every_parameter_and_of_the_optimizer_state(tmp_path):
-    argv = ["tests/fsdp_probe.py", "shards", tmp_path, "--", *FAST, "--model", "vit"]
-    torchrun_workers(3, [*argv, "--max-steps", "1", "--batch-size", "4"])
-    reports = [json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")]
-    reports = {r["rank"]: r["shapes"] for r in reports}
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory):
+    """The ViT built and sharded on 3 processes, one step: tests/fsdp_probe.py's build and
+    shards reports, every rank's (one launch for the two tests below)."""
+    tmp = tmp_path_factory.mktemp("fsdp_three")
+    reports, _ = run_probe("build+shards", 3, tmp, "--max-steps", "1", batch=4)
+    return reports, tmp
+
+
+def test_each_rank_holds_a_third_of_every_parameter_and_of_the_optimizer_state(three_ranks):
+    reports = {rank: report["shapes"] for rank, report in three_ranks[0].items()}
     assert sorted(reports) == [0, 1, 2]
     params = list(common.build_model("vit", 1, 10).parameters())
     held = 0
@@ -292,15 +298,16 @@ def run_probe(mode, nproc, tmp, *flags, model="vit", batch=None):
     return {r["rank"]: r for r in found}, out
 
 
-def test_no_rank_holds_the_whole_model_and_the_shards_start_as_one_process(tmp_path):
+def test_no_rank_holds_the_whole_model_and_the_shards_start_as_one_process(three_ranks):
     """Every unit fully_shard gets is still on the meta device (no memory), on a CPU mesh, and
     the weights gathered right after the build are one process's seeded ones, exactly."""
-    reports, _ = run_probe("build", 2, tmp_path, "--max-steps", "1")
+    reports, tmp = three_ranks
     depth = len(common.build_model("vit", 1, 10).blocks)
+    assert sorted(reports) == [0, 1, 2]
     for report in reports.values():
         assert report["meta"] == [True] * (depth + 1)  # the blocks, then the root
         assert report["mesh"] == ["cpu"] * (depth + 1)
-    built = torch.load(tmp_path / "reports/initial.pt", weights_only=True)
+    built = torch.load(tmp / "reports/initial.pt", weights_only=True)
     assert_state_close(built, initial("vit"), atol=0)
 
 
