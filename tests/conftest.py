@@ -2,8 +2,11 @@
 
 Every multi-process run is real (torchrun, mp.spawn, or several plain processes under a
 fake launcher environment), on CPU with gloo, and small: synthetic data, a few steps.
+`python ...` commands start as children of a fork server that has imported torch once
+(forkserver.py, test_forkserver.py): 0.3 s a start instead of 3.
 """
 
+import atexit
 import json
 import os
 import random
@@ -13,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 
@@ -20,6 +24,7 @@ import common
 import ddp_train
 
 ROOT = Path(__file__).resolve().parent.parent
+FRESH = os.environ.get("FRESH_PROCESSES") == "1"  # no fork server: see forkserver.py
 # CPU and gloo even where a GPU is present: the tests are about the logic, not the device.
 SYNTHETIC = ["--data", "synthetic", "--device", "cpu"]
 # A peer that never arrives ends a run after a minute instead of the default five.
@@ -53,10 +58,16 @@ def is_launcher_var(name):
     return name in LAUNCHER_VARS or name.startswith(LAUNCHER_PREFIXES)
 
 
+# What torch sets in os.environ for its own subprocesses once this process compiles: not
+# passed on (a child's torch finds the same by itself, and the fork server would refuse it).
+SET_BY_TORCH = {"TORCHINDUCTOR_CACHE_DIR"} - set(os.environ)
+
+
 def clean_env(omp_threads="1", **extra):
     """os.environ without launcher variables, plus `extra`. OMP_NUM_THREADS=1 keeps several
     processes from fighting over the cores; omp_threads=None leaves it unset."""
-    env = {k: v for k, v in os.environ.items() if not is_launcher_var(k) and k != "OMP_NUM_THREADS"}
+    skip = {"OMP_NUM_THREADS", *SET_BY_TORCH}
+    env = {k: v for k, v in os.environ.items() if not is_launcher_var(k) and k not in skip}
     if omp_threads is not None:
         env["OMP_NUM_THREADS"] = omp_threads
     env.update(extra)
@@ -69,18 +80,56 @@ def _report(cmd, proc):
     return f"{command}\nexit {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
 
 
+# The fork server's environment: the session's, as it was when the tests started.
+SERVER_ENV = clean_env(omp_threads=None)
+_server = None
+STARTS = [0, 0]  # commands started fresh, forked
+
+
+def pytest_terminal_summary(terminalreporter):
+    fresh, forked = STARTS
+    terminalreporter.write_line(f"fork server: {forked} commands forked, {fresh} started fresh")
+
+
+def popen(cmd, cwd=ROOT, env=None):
+    """subprocess.Popen(CMD, stdin=DEVNULL, stdout=PIPE, stderr=PIPE, text=True), CMD a
+    `python ...` command line, started by the fork server (forkserver.py: torch already
+    imported, 2-3 s less a start) unless FRESH_PROCESSES=1 or the command needs a fresh one."""
+    global _server
+    env = env or clean_env()
+    if _server is None and not FRESH:
+        _server = forkserver.Server(SERVER_ENV)
+        atexit.register(_server.close)
+    forked = cmd[0] == sys.executable and _server and not _server.needs_fresh(cmd[1:], env)
+    STARTS[bool(forked)] += 1
+    if forked:
+        return _server.popen(cmd, cwd, env)
+    return subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def communicate(proc, timeout):
+    """proc's CompletedProcess; proc killed if it runs past the timeout."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def run_python(args, env=None, timeout=180, check=True):
     """Run `python ARGS` in the repository root; return the CompletedProcess."""
     cmd = [sys.executable, *map(str, args)]
-    proc = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        env=env or clean_env(),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    proc = communicate(popen(cmd, env=env), timeout)
     if check and proc.returncode != 0:
         raise AssertionError("command failed:\n" + _report(cmd, proc))
     return proc
@@ -95,10 +144,11 @@ def torchrun(nproc, args, timeout=180, check=True):
 def torchrun_workers(nproc, args, timeout=180, check=True):
     """nproc plain processes with the variables torchrun gives its workers (RANK, WORLD_SIZE,
     LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; OMP_NUM_THREADS=1): the processes
-    of torchrun --standalone without its agent, which costs about 2 s a launch here (the
-    agent's own import of torch). For tests of what the processes compute; what torchrun adds
-    (its store, restarts, tearing down the others when one fails) is tested under real
-    torchrun: test_launch.py, test_faults.py, the docstring commands, test_scripts.py."""
+    of torchrun --standalone without its agent, forked by the fork server where torchrun's
+    workers start fresh interpreters (0.5 s against 5-6 s a launch here). For tests of what
+    the processes compute; what torchrun adds (its store, restarts, tearing down the others
+    when one fails) is tested under real torchrun: test_launch.py, test_faults.py, the
+    docstring commands, test_scripts.py."""
     for attempt in range(2):
         port = free_port()
         envs = [
@@ -123,23 +173,11 @@ def run_ranks(args, envs, timeout=180, check=True):
     rank's output if one fails (unless check=False); a hung rank is killed at the timeout."""
     argvs = args if isinstance(args[0], list) else [args] * len(envs)
     cmds = [[sys.executable, *map(str, a)] for a in argvs]
-    procs = [
-        subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for cmd, env in zip(cmds, envs, strict=True)
-    ]
+    procs = [popen(cmd, env=env) for cmd, env in zip(cmds, envs, strict=True)]
     results = []
     try:
-        for cmd, p in zip(cmds, procs, strict=True):
-            out, err = p.communicate(timeout=timeout)
-            results.append(subprocess.CompletedProcess(cmd, p.returncode, out, err))
+        for p in procs:
+            results.append(communicate(p, timeout))
     finally:
         for p in procs:
             if p.poll() is None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, clean_env
+from conftest import ROOT, clean_env, communicate, popen
 
 SCRIPTS = sorted(p.name for p in ROOT.glob("*.py") if p.name != "common.py")
 # Flags set to their smallest value wherever a script takes them, and those left alone.
@@ -130,8 +130,6 @@ def image_folder(root):
 
 
 def run(cwd, launcher, nproc, script, flags):
-    import subprocess
-
     cmd = [sys.executable, str(ROOT / script), *flags]
     if nproc:
         cmd = [
@@ -144,15 +142,7 @@ def run(cwd, launcher, nproc, script, flags):
             str(ROOT / script),
             *flags,
         ]
-    proc = subprocess.run(
-        cmd,
-        cwd=cwd,
-        env=clean_env(PYTHONPATH=str(ROOT)),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        stdin=subprocess.DEVNULL,
-    )
+    proc = communicate(popen(cmd, cwd, clean_env(PYTHONPATH=str(ROOT))), timeout=600)
     assert proc.returncode == 0, f"{shlex.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port
+from conftest import communicate, free_port, popen
 
 import common
 import ddp_mp_spawn
@@ -75,15 +75,7 @@ def env(**extra):
 
 def run(cmd, timeout=180, **extra_env):
     """Run a command in the repository root and return the CompletedProcess."""
-    return subprocess.run(
-        [str(c) for c in cmd],
-        cwd=ROOT,
-        env=env(**extra_env),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return communicate(popen([str(c) for c in cmd], env=env(**extra_env)), timeout)
 
 
 def start(cmd, log, **extra_env):
@@ -526,22 +518,9 @@ def test_peer_that_never_joins_ends_within_the_timeout(tmp_path):
 def two_ranks(args, **extra_env):
     """Start rank 0 and rank 1 as plain processes with a launcher's variables."""
     port = str(free_port())
+    ranks = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra_env)
     return [
-        subprocess.Popen(
-            [sys.executable, *map(str, args)],
-            cwd=ROOT,
-            env=env(
-                RANK=str(rank),
-                WORLD_SIZE="2",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=port,
-                **extra_env,
-            ),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        popen([sys.executable, *map(str, args)], env=env(RANK=str(rank), **ranks))
         for rank in (0, 1)
     ]
 
