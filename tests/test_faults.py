@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import communicate, free_port, popen
+from conftest import communicate, free_port, max_abs_diff, popen
 
 import common
 import ddp_mp_spawn
@@ -262,7 +262,7 @@ def test_restart_across_two_torchrun_nodes(tmp_path, uninterrupted):
 @pytest.mark.slow
 def test_mp_spawn_child_killed_ends_job_and_rerun_resumes(tmp_path):
     """ddp_mp_spawn.py checkpoints at the end of each epoch: killed in epoch 1, its rerun
-    resumes at epoch 1 and finishes."""
+    resumes at epoch 1 and ends where a run that was never killed ends (weights, momentum)."""
     out = tmp_path / "run"
     cmd = [
         "ddp_mp_spawn.py",
@@ -294,6 +294,10 @@ def test_mp_spawn_child_killed_ends_job_and_rerun_resumes(tmp_path):
     assert again.returncode == 0, again.stderr
     assert re.findall(r"resumed from \S+ at epoch (\d+)", again.stdout) == ["1"], again.stdout
     assert [m["epoch"] for m in metrics(out)] == [0, 1]
+    straight = tmp_path / "straight"
+    assert run([sys.executable, *cmd[:-1], straight]).returncode == 0
+    ends = [common.load_checkpoint(d / "checkpoint.pt") for d in (out, straight)]
+    assert max_abs_diff(ends[0]["model"], ends[1]["model"]) < 1e-6
 
 
 def test_mid_epoch_resume_equals_an_uninterrupted_run(tmp_path, plain_process):
