@@ -67,6 +67,11 @@ from common import (
     warmup_cosine,
 )
 
+# The autograd all-gather, named all_gather_tensor_autograd in PyTorch 2.9 (deprecated later).
+all_gather = (
+    getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+)
+
 try:  # FSDP2's and the device mesh's public homes since PyTorch 2.6
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -174,7 +179,7 @@ def allgather_attention(q, k, v, group):
     """K and V of every process, in token order, then attention as on one process. The
     autograd all-gather's backward reduce-scatters their gradients back to their owners."""
     kv = torch.stack([k, v]).contiguous()  # one collective for both
-    kv = funcol.all_gather_single_autograd(kv, gather_dim=3, group=group)
+    kv = all_gather(kv, gather_dim=3, group=group)
     return F.scaled_dot_product_attention(q, kv[0], kv[1])
 
 
@@ -188,8 +193,8 @@ class LongViT(ViT):
         if group is not None:
             self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
             attend = RingAttention.apply if impl == "ring" else allgather_attention
-            for block in self.blocks:
-                block.attn.attend = functools.partial(attend, group=group)
+            for block in self.blocks:  # group by position: apply() takes no keywords in 2.9
+                block.attn.attend = lambda q, k, v: attend(q, k, v, group)
 
     def forward(self, images):
         n = self.pos.shape[1] // self.cp  # tokens (rows) per process, with their positions
@@ -202,7 +207,7 @@ class LongViT(ViT):
             # The whole mean on every process. Every process of the group then computes the
             # same loss; the all-gather's backward sums their CP equal gradients for these
             # tokens, and FSDP's mean over the mesh divides by CP again.
-            x = funcol.all_gather_single_autograd(x, gather_dim=0, group=self.group)
+            x = all_gather(x, gather_dim=0, group=self.group)
             x = x.view(self.cp, -1, x.shape[-1]).sum(0)
         return self.head(x / self.pos.shape[1])
 
