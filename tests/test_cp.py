@@ -110,7 +110,6 @@ def assert_same_steps(got, reference, dp=1):
         assert (a[key] - b[key]).norm() < 1e-3 * update, key
 
 
-@pytest.mark.slow
 def test_cp2_ring_takes_the_steps_of_one_process(cp2, reference):
     assert_same_steps(cp2, reference)
     seen, out = cp2
@@ -227,7 +226,6 @@ def test_ring_equals_allgather_and_what_each_sends_and_saves(tmp_path):
     assert gather["activations"] - ring["activations"] == kv_half, report
 
 
-@pytest.mark.slow
 def test_resume_at_another_degree_ends_where_one_run_ends(tmp_path):
     """On TRAIN samples (2 steps an epoch): CP 2 (ring) stops after 3 of 4 steps, in epoch 1;
     2 x 2 (all-gather) goes on from its shards with epoch 1's next batch (its order, its

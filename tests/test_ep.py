@@ -165,7 +165,6 @@ def assert_each_rank_holds_its_experts(got, ep):
             assert state == [list(piece.shape)] * 2, (r, name)
 
 
-@pytest.mark.slow
 def test_ep2_takes_the_steps_of_one_process(ep2, reference):
     assert_same_steps(ep2, reference)
     assert_sizes_match_routing(ep2, reference, 2)
@@ -195,7 +194,6 @@ def test_two_replicas_of_ep2_take_the_steps_of_one_process(tmp_path, reference):
     assert_each_rank_holds_its_experts(run, 2)
 
 
-@pytest.mark.slow
 def test_resume_at_another_degree_ends_where_one_run_ends(tmp_path, reference):
     """EP 2 stops after 2 of 4 steps; EP 4 goes on from its pieces (the experts re-placed),
     mid-epoch, and ends with the weights of the uninterrupted single process."""

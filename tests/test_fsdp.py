@@ -100,7 +100,6 @@ def test_two_processes_train_the_vit_as_one_does(sharded, references):
 
 
 @pytest.mark.parametrize("model, nproc", [("mlp", 3), ("vit", 3)])  # 2 processes: `sharded`
-@pytest.mark.slow
 def test_sharded_training_equals_one_process(tmp_path, references, model, nproc):
     out = train(tmp_path, "run", nproc, model)
     assert read_metrics(out)[-1]["world_size"] == nproc
@@ -384,7 +383,6 @@ def test_hsdp_2_by_2_trains_as_one_process_and_each_rank_holds_half(tmp_path, re
     assert_same_training(out, references["vit"], "vit")
 
 
-@pytest.mark.slow
 def test_resume_at_other_numbers_of_processes_and_with_hsdp_is_exact(tmp_path, references):
     """FSDP on 2 processes stops after 2 of 5 steps, HSDP 2 x 2 goes on from its shards,
     mid-epoch, to step 4, FSDP on 3 processes does the last: the weights of the uninterrupted

@@ -135,7 +135,6 @@ def assert_same_steps(got, reference, dp=1):
         assert (a[key] - b[key]).norm() < 1e-3 * update, key
 
 
-@pytest.mark.slow
 def test_tp2_takes_the_steps_of_one_process(tp2, reference):
     assert_same_steps(tp2, reference)
     seen, out = tp2
@@ -239,7 +238,6 @@ def test_each_rank_holds_its_part_of_every_split_weight(tp2):
     assert halves == 9 * len(common.ViT(1, 10, 28).blocks)
 
 
-@pytest.mark.slow
 def test_resume_at_another_degree_ends_where_one_run_ends(tmp_path, reference):
     """TP 2 stops after 3 of 4 steps, in epoch 1; 2 x 2 goes on from its pieces with epoch 1's
     next batch (its order, its position) and ends with the uninterrupted process's weights."""
