@@ -71,14 +71,17 @@ def serve(path):
         ready, _, _ = select.select([listener], [], [], 0.02)
         if ready:
             conn, _ = listener.accept()
-            message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-            pid = os.fork()
+            request, fds = receive(conn)
+            pid = os.fork() if request else None
             if pid == 0:
                 listener.close()
                 conn.close()
-                child(json.loads(message), fds)  # never returns
+                child(request, fds)  # never returns
             for fd in fds:
                 os.close(fd)
+            if pid is None:  # the test went away before it had sent the whole request
+                conn.close()
+                continue
             with contextlib.suppress(OSError):  # a test that went away is not the server's end
                 conn.sendall(b"%d\n" % pid)
             waiting[pid] = conn
@@ -90,6 +93,17 @@ def serve(path):
             with contextlib.suppress(OSError):
                 conn.sendall(b"%d\n" % os.waitstatus_to_exitcode(status))
             conn.close()
+
+
+def receive(conn):
+    """(request, its three file descriptors); request None if the connection ended first."""
+    message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    while not message.endswith(b"\n"):  # a stream may deliver the request in parts
+        more = conn.recv(1 << 20)
+        if not more:
+            return None, fds
+        message += more
+    return json.loads(message), fds
 
 
 def child(request, fds):
@@ -195,7 +209,7 @@ class Forked:
         self.conn = socket.socket(socket.AF_UNIX)
         self.conn.connect(path)
         request = dict(args=[str(a) for a in args[1:]], cwd=str(cwd), env=env)
-        socket.send_fds(self.conn, [json.dumps(request).encode()], [null, out_w, err_w])
+        socket.send_fds(self.conn, [json.dumps(request).encode() + b"\n"], [null, out_w, err_w])
         for fd in (null, out_w, err_w):
             os.close(fd)
         self.pipes = {out_r: [], err_r: []}  # what each pipe gave so far
