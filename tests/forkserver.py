@@ -48,6 +48,8 @@ READ_AT_START = re.compile(
     r"(TORCH|PYTORCH|TORCHINDUCTOR|CUDA|NCCL|KMP|MKL|GOMP|LD)_\w*|OMP_(?!NUM_THREADS$)\w+"
     r"|PYTHON(?!PATH$)\w*"
 )
+# The server's own PYTHONPATH entries: a child's sys.path takes those of its request instead.
+BASE_PATH_EXTRA = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,8 +66,9 @@ def serve(path):
     # (its fork handler), as in DataLoader's forked workers.
     gc.freeze()  # the children's collections then leave the server's objects (and pages) alone
     listener = socket.socket(socket.AF_UNIX)
-    listener.bind(path)
+    listener.bind(path + ".new")
     listener.listen(64)
+    os.rename(path + ".new", path)  # the name appears once the server takes connections
     parent, waiting = os.getppid(), {}  # child pid -> the connection to answer
     while os.getppid() == parent:  # ends with the test session
         ready, _, _ = select.select([listener], [], [], 0.02)
@@ -160,8 +163,6 @@ def child(request, fds):
 
 # ---------------------------------------------------------------------------------------------
 # The client: a Popen look-alike for the tests.
-
-BASE_PATH_EXTRA = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 
 
 class Server:
