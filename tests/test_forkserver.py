@@ -9,7 +9,7 @@ import sys
 import forkserver
 import pytest
 import torch
-from conftest import ROOT, SYNTHETIC, clean_env, load_ckpt, popen
+from conftest import ROOT, SET_BY_TORCH, SYNTHETIC, clean_env, load_ckpt, popen
 
 # What a script sees of its start, one value a line.
 PROBE = """
@@ -71,7 +71,11 @@ def test_python_c_runs_as_in_a_fresh_interpreter_and_draws_its_own_random_number
     assert forked_err[0] != again.stderr.splitlines()[0]
 
 
-def test_a_variable_read_when_torch_starts_gets_a_fresh_interpreter():
+def test_a_variable_read_when_torch_starts_gets_a_fresh_interpreter(monkeypatch):
+    # What torch sets in this process when it compiles (test_faults.py does, before this file)
+    # is not passed on: otherwise every later command would start fresh, slowly and silently.
+    for name in SET_BY_TORCH:  # unless the session began with it set
+        monkeypatch.setenv(name, "/tmp/torchinductor_test")
     plain = clean_env()
     proc = popen([sys.executable, "-c", "pass"], env=plain)
     assert isinstance(proc, forkserver.Forked)
