@@ -13,7 +13,7 @@ must see every key and value, brought in one of two ways (--cp-impl):
     4 processes, --dp 2:  mesh [[0, 1],    each row a context-parallel group (one batch,
                                 [2, 3]]    each process half of every image's rows)
 
-The model is common.py's ViT made long: each image row one token (28, not 16 patches), so
+The model is models.py's ViT made long: each image row one token (28, not 16 patches), so
 the sequence splits over 2, 4, 7, 14 or 28 processes with no padding.
 
 Launch (--output-dir: one directory for all processes, on several nodes a shared one):
@@ -36,34 +36,49 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from common import (
-    ViT,
-    build_sharded,
+from checkpoint import (
     check_output_dir,
-    check_sharded_args,
-    cleanup,
-    end_epoch,
-    evaluate,
     export_whole,
+    find_checkpoint,
+    initial_state,
+    publish_sharded,
+    read_sharded_meta,
+    reading,
+    resume_step,
+    rng_state,
+    sharded_tmp,
+    trim_metrics,
+)
+from common import (
+    cleanup,
     fail,
-    fast_forward,
     init_distributed_mode,
-    load_datasets,
-    log_loss,
-    pad_batches,
     peer_failure,
     print0,
-    read_sharded_meta,
-    resume_sharded,
-    rng_state,
-    save_sharded,
-    shard_loaders,
-    sharded_parser,
+    require_torch,
     together,
-    trim_metrics,
+)
+from data import load_datasets, pad_batches, shard_loaders
+from models import ViT
+from training import (
+    check_sharded_args,
+    end_epoch,
+    evaluate,
+    fast_forward,
+    log_loss,
+    sharded_parser,
     warmup_cosine,
 )
 
@@ -72,15 +87,9 @@ all_gather = (
     getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 )
 
-try:  # FSDP2's and the device mesh's public homes since PyTorch 2.6
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-except ImportError:
-    fully_shard = None
-
 
 def get_args(argv=None):
-    p = sharded_parser(__doc__)  # --data, --epochs, --lr, ..., --dist-timeout: common.py's
+    p = sharded_parser(__doc__)  # --data, --epochs, --lr, ..., --dist-timeout: training.py's
     add = p.add_argument
     add("--dp", type=int, default=1, help="data-parallel degree; CP: processes / dp")
     add("--cp", type=int, help="context-parallel degree (default: processes / --dp)")
@@ -184,7 +193,7 @@ def allgather_attention(q, k, v, group):
 
 
 class LongViT(ViT):
-    """common.py's ViT with each image row a token: 28 tokens of 28 pixels, not 16 patches
+    """models.py's ViT with each image row a token: 28 tokens of 28 pixels, not 16 patches
     of 7 x 7. With a context-parallel group, each process runs its own rows only."""
 
     def __init__(self, in_channels, num_classes, size, dim, heads, group=None, impl="ring"):
@@ -224,8 +233,7 @@ def read_meta(path, args, tokens):
 
 def main(argv=None):
     args = get_args(argv)
-    if fully_shard is None or torch.__version__ < "2.7":  # 2.6's FSDP2 fails on a CPU mesh
-        fail(f"context_parallel.py needs PyTorch 2.7 or newer (this is {torch.__version__})")
+    require_torch("2.9", "context_parallel.py")  # requirements.txt's floor
     # The process group: rank, world size and device from whichever launcher started us.
     info = init_distributed_mode(
         backend=args.backend, device=args.device, timeout_s=args.dist_timeout
@@ -271,9 +279,15 @@ def main(argv=None):
                 fully_shard(block, mesh=everyone, mp_policy=policy)
             fully_shard(model, mesh=everyone, mp_policy=policy)
 
-        # Built on no device whole, as in fsdp_train.py: each rank's pieces filled from rank
-        # 0's seeded CPU copy (all ranks participate).
-        model = build_sharded(build, shard, device, args.seed)
+        # Built on no device whole, as in fsdp_train.py: the shapes on the meta device, sharded,
+        # then memory for each rank's pieces, filled from rank 0's seeded CPU copy.
+        with torch.device("meta"):
+            model = build()
+        state = initial_state(build, args.seed)  # rank 0: the whole model; None elsewhere
+        shard(model)
+        model.to_empty(device=device)
+        fill = StateDictOptions(full_state_dict=True, broadcast_from_rank0=info.distributed)
+        set_model_state_dict(model, state or {}, options=fill)  # all ranks participate
         use_autocast = args.amp == "bf16" and not info.distributed  # FSDP gives bf16 itself
         autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, use_autocast)
 
@@ -283,10 +297,19 @@ def main(argv=None):
         lr = args.lr * global_batch / 256
         optimizer = torch.optim.AdamW(model.parameters(), lr, weight_decay=args.weight_decay)
 
-        # Resume: rank 0 finds and checks the checkpoint; every rank reads its shards (any mesh).
-        check = functools.partial(read_meta, args=args, tokens=tokens)
-        batches = (global_batch, steps_per_epoch)
-        resume, step = resume_sharded(args, model, optimizer, check, batches, device)
+        # Resume, as in fsdp_train.py: rank 0 finds and checks the checkpoint; every rank reads
+        # the parts of the saved pieces that make up its own, on any mesh (all participate).
+        resume, meta = find_checkpoint(args, functools.partial(read_meta, args=args, tokens=tokens))
+        step = 0
+        if resume:
+            model_state, optim_state = get_state_dict(model, optimizer)  # to be filled in
+            with reading(resume):
+                dcp.load(dict(model=model_state, optimizer=optim_state), checkpoint_id=resume)
+            loaded = dict(model_state_dict=model_state, optim_state_dict=optim_state)
+            set_state_dict(model, optimizer, **loaded)
+        if resume and not args.eval_only:
+            batches = (global_batch, steps_per_epoch)
+            step = resume_step(args, optimizer, meta, resume, batches, device)
 
         scheduler = warmup_cosine(optimizer, args.warmup, total_steps)  # warm-up, cosine decay
         fast_forward(scheduler, step)  # the rate is a function of the step alone
@@ -307,7 +330,11 @@ def main(argv=None):
             meta = dict(step=step, steps_per_epoch=steps_per_epoch, rng=rng_state(device))
             flags = dict(vars(args), model="vit", tokens=tokens)
             meta.update(global_batch=global_batch, args=flags)
-            save_sharded(out, model, optimizer, meta)
+            # Every rank writes its pieces; rank 0 then publishes them (see fsdp_train.py).
+            model_state, optim_state = get_state_dict(model, optimizer)
+            state = dict(model=model_state, optimizer=optim_state)
+            dcp.save(state, checkpoint_id=sharded_tmp(out))
+            publish_sharded(out, meta)
 
         start_epoch = step // steps_per_epoch
         metrics = out / "metrics.jsonl" if out and rank == 0 else None
@@ -360,7 +387,7 @@ def main(argv=None):
             if out:
                 save(step)  # all ranks participate
 
-        # The whole model in one file that loads into common.ViT(patch=(1, 28)) without
+        # The whole model in one file that loads into models.ViT(patch=(1, 28)) without
         # DTensor (all ranks participate).
         export_whole(model, filter(None, [out and out / "model.pt", args.export]))
         if info.distributed:

@@ -37,38 +37,32 @@ from torch.optim.lr_scheduler import OneCycleLR
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
-from common import (
-    DATASETS,
-    MODELS,
-    ArgumentParser,
-    amp_note,
+from checkpoint import (
     append_metrics,
-    broadcast_object,
-    build_model,
-    check_flags,
     check_output_dir,
-    cleanup,
-    collate,
-    eval_shard,
-    evaluate,
-    fail,
-    fast_forward,
-    init_distributed_mode,
     load_checkpoint,
-    load_datasets,
     load_model_state,
     load_optimizer_state,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    trim_metrics,
+)
+from common import (
+    ArgumentParser,
+    broadcast_object,
+    check_flags,
+    cleanup,
+    fail,
+    init_distributed_mode,
     peer_failure,
     print0,
     reduce_value,
-    rng_state,
-    save_checkpoint,
-    seed_everything,
-    set_rng_state,
     together,
-    trim_metrics,
-    warmup_cosine,
 )
+from data import DATASETS, collate, eval_shard, load_datasets
+from models import MODELS, build_model, seed_everything
+from training import amp_note, evaluate, fast_forward, warmup_cosine
 
 
 def get_args(argv=None):

@@ -28,33 +28,29 @@ from torch.optim.lr_scheduler import OneCycleLR
 from torch.utils.data import DataLoader, RandomSampler
 from tqdm import tqdm
 
-from common import (
-    DATASETS,
-    MODELS,
-    ArgumentParser,
-    amp_note,
+from checkpoint import (
     append_metrics,
-    build_model,
-    check_flags,
     check_output_dir,
-    cleanup,
-    collate,
-    detect_launcher,
-    evaluate,
-    fail,
-    fast_forward,
-    init_distributed_mode,
     load_checkpoint,
-    load_datasets,
     load_model_state,
     load_optimizer_state,
-    peer_failure,
     rng_state,
     save_checkpoint,
-    seed_everything,
     set_rng_state,
     trim_metrics,
 )
+from common import (
+    ArgumentParser,
+    check_flags,
+    cleanup,
+    detect_launcher,
+    fail,
+    init_distributed_mode,
+    peer_failure,
+)
+from data import DATASETS, collate, load_datasets
+from models import MODELS, build_model, seed_everything
+from training import amp_note, evaluate, fast_forward
 
 
 def get_args(argv=None):
@@ -111,7 +107,7 @@ class Autocast(nn.Module):
 
 
 def rng_states(device):
-    """common.rng_state plus, on CUDA, every GPU's generator: each replica draws from its own
+    """checkpoint.rng_state plus, on CUDA, every GPU's generator: each replica draws from its own
     GPU's, so GPU 0's alone would resume the others elsewhere."""
     state = rng_state(device)
     if device.type == "cuda":

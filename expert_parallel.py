@@ -31,45 +31,58 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from common import (
-    ViT,
+from checkpoint import (
     check_output_dir,
-    check_sharded_args,
-    cleanup,
-    end_epoch,
-    evaluate,
     export_whole,
+    find_checkpoint,
+    initial_state,
+    publish_sharded,
+    read_sharded_meta,
+    reading,
+    resume_step,
+    rng_state,
+    sharded_tmp,
+    trim_metrics,
+)
+from common import (
+    cleanup,
     fail,
-    fast_forward,
     get_world_size,
     init_distributed_mode,
-    load_datasets,
-    log_loss,
-    pad_batches,
     peer_failure,
     print0,
-    read_sharded_meta,
     reduce_value,
-    resume_sharded,
-    rng_state,
-    save_sharded,
-    seed_everything,
-    shard_loaders,
-    sharded_parser,
+    require_torch,
     together,
-    trim_metrics,
+)
+from data import load_datasets, pad_batches, shard_loaders
+from models import ViT, seed_everything
+from training import (
+    check_sharded_args,
+    end_epoch,
+    evaluate,
+    fast_forward,
+    log_loss,
+    sharded_parser,
     warmup_cosine,
 )
 
 
 def get_args(argv=None):
-    p = sharded_parser(__doc__)  # --data, --epochs, --lr, ..., --dist-timeout: common.py's
+    p = sharded_parser(__doc__)  # --data, --epochs, --lr, ..., --dist-timeout: training.py's
     add = p.add_argument
     add("--experts", type=int, default=8, help="expert MLPs per block")
     add("--top-k", type=int, default=2, help="experts each token goes to")
@@ -186,7 +199,7 @@ class MoE(nn.Module):
 
 
 class MoEViT(ViT):
-    """common.py's ViT with each block's MLP a mixture of experts."""
+    """models.py's ViT with each block's MLP a mixture of experts."""
 
     def __init__(self, in_channels, num_classes, size, dim, heads, experts, top_k, capacity):
         super().__init__(in_channels, num_classes, size, dim=dim, heads=heads)
@@ -259,6 +272,7 @@ def read_meta(path, args):
 
 def main(argv=None):
     args = get_args(argv)
+    require_torch("2.9", "expert_parallel.py")  # requirements.txt's floor
     # The process group: rank, world size and device from whichever launcher started us.
     info = init_distributed_mode(
         backend=args.backend, device=args.device, timeout_s=args.dist_timeout
@@ -287,10 +301,19 @@ def main(argv=None):
         steps_per_epoch, global_batch = len(train_loader), args.batch_size * world
         total_steps = args.epochs * steps_per_epoch
 
+        # Built on no device whole, as in fsdp_train.py: the shapes on the meta device, the
+        # experts cut, then memory for this process's experts and the whole rest only, filled
+        # from rank 0's seeded CPU copy (all ranks participate).
         shape = (args.dim, args.heads, args.experts, args.top_k, args.capacity_factor)
-        model = MoEViT(in_channels, num_classes, train_set[0][0].shape[-1], *shape).to(device)
+        build = partial(MoEViT, in_channels, num_classes, train_set[0][0].shape[-1], *shape)
+        with torch.device("meta"):
+            model = build()
+        state = initial_state(build, args.seed)  # rank 0: the whole model; None elsewhere
         if mesh is not None:
             shard_experts(model, mesh)  # from here on, this process's experts only
+        model.to_empty(device=device)
+        fill = StateDictOptions(full_state_dict=True, broadcast_from_rank0=info.distributed)
+        set_model_state_dict(model, state or {}, options=fill)
         autocast = partial(torch.autocast, device.type, torch.bfloat16, args.amp == "bf16")
 
         # Every rank writes its own pieces into the output directory: every rank checks it.
@@ -301,9 +324,17 @@ def main(argv=None):
         optimizer = torch.optim.AdamW(model.parameters(), lr, weight_decay=args.weight_decay)
 
         # Resume: rank 0 finds and checks the checkpoint; every rank reads its pieces (any degree).
-        check = partial(read_meta, args=args)
-        batches = (global_batch, steps_per_epoch)
-        resume, step = resume_sharded(args, model, optimizer, check, batches, device)
+        resume, meta = find_checkpoint(args, partial(read_meta, args=args))
+        step = 0
+        if resume:
+            model_state, optim_state = get_state_dict(model, optimizer)  # to be filled in
+            with reading(resume):
+                dcp.load(dict(model=model_state, optimizer=optim_state), checkpoint_id=resume)
+            loaded = dict(model_state_dict=model_state, optim_state_dict=optim_state)
+            set_state_dict(model, optimizer, **loaded)
+        if resume and not args.eval_only:
+            batches = (global_batch, steps_per_epoch)
+            step = resume_step(args, optimizer, meta, resume, batches, device)
 
         scheduler = warmup_cosine(optimizer, args.warmup, total_steps)  # warm-up, cosine decay
         fast_forward(scheduler, step)  # the rate is a function of the step alone
@@ -383,7 +414,10 @@ def main(argv=None):
             if out:  # all ranks participate
                 meta = dict(step=step, steps_per_epoch=steps_per_epoch, rng=rng_state(device))
                 meta.update(global_batch=global_batch, args=dict(vars(args), model="moe-vit"))
-                save_sharded(out, model, optimizer, meta)
+                model_state, optim_state = get_state_dict(model, optimizer)
+                state = dict(model=model_state, optimizer=optim_state)
+                dcp.save(state, checkpoint_id=sharded_tmp(out))  # as in fsdp_train.py
+                publish_sharded(out, meta)
 
         # The whole model in one file that loads without DTensor (all ranks participate).
         export_whole(model, filter(None, [out and out / "model.pt", args.export]))

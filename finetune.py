@@ -18,7 +18,7 @@ ImageNet weights are downloaded once per node into torch's hub cache; offline, p
 --weights-file or --weights none. --weights-file takes a ResNet's weights in either form: a
 plain state_dict (torchvision's file, fsdp_train.py's model.pt of --model resnet18) or a
 checkpoint.pt whose "model" is one (finetune.py's own, ddp_train.py's of --model resnet18).
-What fits --model by name and shape loads (a resnet18 of common.py has all but its 3x3 stem);
+What fits --model by name and shape loads (a resnet18 of models.py has all but its 3x3 stem);
 a file of another network (the ViT, the MLP, the small CNN) is refused in one line. No resume:
 a rerun replaces --output-dir's files.
 """
@@ -37,29 +37,22 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torchvision.models import get_model, get_model_weights
 from tqdm import tqdm
 
+from checkpoint import append_metrics, check_output_dir, read_weights, save_checkpoint
 from common import (
-    DATASETS,
     ArgumentParser,
-    InMemoryDataset,
-    append_metrics,
     check_flags,
-    check_output_dir,
     cleanup,
-    collate,
-    eval_shard,
-    evaluate,
     fail,
     first_line,
     init_distributed_mode,
-    load_datasets,
     once_per_node,
     peer_failure,
     print0,
-    read_weights,
     reduce_value,
-    save_checkpoint,
     together,
 )
+from data import DATASETS, InMemoryDataset, collate, eval_shard, load_datasets
+from training import evaluate
 
 # One family, so that "stage" means the same for every choice: the stem and layer1-4.
 ARCHS = [f"resnet{n}" for n in (18, 34, 50, 101, 152)] + ["resnext50_32x4d", "wide_resnet50_2"]
@@ -160,7 +153,7 @@ def pretrained_state(args, local_rank):
 
 
 def build_pretrained_resnet(args, num_classes, local_rank=0):
-    """Not common.build_model: torchvision's --model with the pretrained weights loaded where
+    """Not models.build_model: torchvision's --model with the pretrained weights loaded where
     they fit and a new head of `num_classes` outputs; and the names of its tensors that no
     weights were loaded into (the head and whatever did not fit): these train."""
     model = get_model(args.model, weights=None)  # ImageNet's shape (1000 classes), random

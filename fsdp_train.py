@@ -27,54 +27,63 @@ the global batch (batch size x processes x --accum-steps).
 """
 
 import argparse
+import datetime
 import functools
 import itertools
 import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from common import (
-    MODELS,
-    build_model,
-    build_sharded,
+from checkpoint import (
     check_output_dir,
-    check_sharded_args,
-    cleanup,
-    end_epoch,
-    evaluate,
     export_whole,
+    find_checkpoint,
+    initial_state,
+    publish_sharded,
+    read_sharded_meta,
+    reading,
+    resume_step,
+    rng_state,
+    sharded_tmp,
+    trim_metrics,
+)
+from common import (
+    cleanup,
     fail,
-    fast_forward,
     init_distributed_mode,
-    load_datasets,
-    log_loss,
-    pad_batches,
     peer_failure,
     print0,
-    read_sharded_meta,
-    resume_sharded,
-    rng_state,
-    save_sharded,
-    shard_loaders,
-    sharded_parser,
+    require_torch,
     together,
-    trim_metrics,
+)
+from data import load_datasets, pad_batches, shard_loaders
+from models import MODELS, build_model
+from training import (
+    check_sharded_args,
+    end_epoch,
+    evaluate,
+    fast_forward,
+    log_loss,
+    sharded_parser,
     warmup_cosine,
 )
 
-try:  # FSDP2's public home since PyTorch 2.6
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-except ImportError:
-    fully_shard = None
-
 
 def get_args(argv=None):
-    p = sharded_parser(__doc__)  # --data, --epochs, --lr, ..., --dist-timeout: common.py's
+    p = sharded_parser(__doc__)  # --data, --epochs, --lr, ..., --dist-timeout: training.py's
     add = p.add_argument
     add("--model", default="vit", choices=sorted(MODELS), help="network")
     add("--batch-size", type=int, default=128, help="samples per process per micro-batch")
@@ -118,8 +127,7 @@ def read_meta(path, args):
 
 def main(argv=None):
     args = get_args(argv)
-    if fully_shard is None or torch.__version__ < "2.7":  # 2.6's FSDP2 fails on a CPU mesh
-        fail(f"fsdp_train.py needs PyTorch 2.7 or newer (this is {torch.__version__})")
+    require_torch("2.9", "fsdp_train.py")  # on 2.7 and 2.8, N processes differ from one
     # Offloaded shards and their gradients are CPU tensors, which NCCL cannot reduce (the
     # gradient norm's all-reduce, say): such a group needs gloo beside NCCL for them.
     backend = args.backend
@@ -175,12 +183,18 @@ def main(argv=None):
                 fully_shard(block, **kwargs)
             fully_shard(model, **kwargs)
 
-        # Built on no device whole: see build_sharded. Rank 0's seeded CPU copy (or the
-        # --init-from file) fills every rank's pieces (all ranks participate).
+        # Built on no device whole: the shapes on the meta device (no memory), sharded, then
+        # memory for this rank's shards only, filled by broadcast from rank 0's whole copy in
+        # CPU memory: seeded as one process builds it, or the --init-from file.
         image_size = train_set[0][0].shape[-1]
         build = functools.partial(build_model, args.model, in_channels, num_classes, image_size)
-        on = torch.device("cpu") if args.cpu_offload else device
-        model = build_sharded(build, shard, on, args.seed, args.init_from)
+        with torch.device("meta"):
+            model = build()
+        state = initial_state(build, args.seed, args.init_from, model)  # rank 0: the whole
+        shard(model)
+        model.to_empty(device=torch.device("cpu") if args.cpu_offload else device)
+        fill = StateDictOptions(full_state_dict=True, broadcast_from_rank0=info.distributed)
+        set_model_state_dict(model, state or {}, options=fill)  # all ranks participate
         raw_model = model  # no torch.compile wrapper
         if args.checkpoint_activations:
             for block in units(model):
@@ -196,11 +210,20 @@ def main(argv=None):
         lr = args.lr * global_batch / 256
         optimizer = torch.optim.AdamW(model.parameters(), lr, weight_decay=args.weight_decay)
 
-        # Resume: rank 0 finds the checkpoint and checks it; every rank reads its shards, at
-        # whatever number of processes saved them (all ranks participate).
-        check = functools.partial(read_meta, args=args)
-        batches = (global_batch, steps_per_epoch)
-        resume, step = resume_sharded(args, raw_model, optimizer, check, batches, device)
+        # Resume: rank 0 finds the checkpoint and checks its meta.pt; every rank reads the parts
+        # of the saved shards that make up its own, whatever the number of processes that
+        # saved them: DCP cuts them anew (all ranks participate).
+        resume, meta = find_checkpoint(args, functools.partial(read_meta, args=args))
+        step = 0
+        if resume:
+            model_state, optim_state = get_state_dict(raw_model, optimizer)  # to be filled in
+            with reading(resume):
+                dcp.load(dict(model=model_state, optimizer=optim_state), checkpoint_id=resume)
+            loaded = dict(model_state_dict=model_state, optim_state_dict=optim_state)
+            set_state_dict(raw_model, optimizer, **loaded)
+        if resume and not args.eval_only:
+            batches = (global_batch, steps_per_epoch)
+            step = resume_step(args, optimizer, meta, resume, batches, device)
 
         scheduler = warmup_cosine(optimizer, args.warmup, total_steps)  # warm-up, cosine decay
         fast_forward(scheduler, step)  # the rate is a function of the step alone
@@ -225,7 +248,10 @@ def main(argv=None):
         # --async-save: the shards are copied to CPU memory (a copy of this rank's share of
         # the weights and optimizer state) and written by a background thread, whose
         # collectives need a gloo group of their own while training's run on the default one.
-        group = dist.new_group(backend="gloo") if args.async_save and info.distributed else None
+        timeout = datetime.timedelta(seconds=args.dist_timeout)  # gloo's default: 30 minutes
+        group = None
+        if args.async_save and info.distributed:
+            group = dist.new_group(backend="gloo", timeout=timeout)
         pending = []  # the background save in flight: one at a time
 
         def save(step):  # all ranks participate
@@ -234,8 +260,16 @@ def main(argv=None):
             # The RNG is rank 0's: nothing in a step draws random numbers per rank.
             meta = dict(step=step, steps_per_epoch=steps_per_epoch, rng=rng_state(device))
             meta.update(global_batch=global_batch, args=vars(args))
-            finish = save_sharded(out, raw_model, optimizer, meta, args.async_save, group)
-            pending.extend(filter(None, [finish]))
+            # Every rank writes its own shards of the model and the optimizer state; once all
+            # are written, rank 0 publishes them (a crash mid-save keeps the last checkpoint).
+            model_state, optim_state = get_state_dict(raw_model, optimizer)
+            state = dict(model=model_state, optimizer=optim_state)
+            if not args.async_save:
+                dcp.save(state, checkpoint_id=sharded_tmp(out))
+                return publish_sharded(out, meta)
+            # In the background: copied to CPU memory now, written by a thread meanwhile.
+            future = dcp.async_save(state, checkpoint_id=sharded_tmp(out), process_group=group)
+            pending.append(lambda: (future.result(), publish_sharded(out, meta)))
 
         start_epoch = step // steps_per_epoch
         metrics = out / "metrics.jsonl" if out and rank == 0 else None

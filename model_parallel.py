@@ -33,28 +33,27 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
-from common import (
-    DATASETS,
-    ArgumentParser,
+from checkpoint import (
     append_metrics,
+    check_output_dir,
+    load_checkpoint,
+    load_model_state,
+    save_checkpoint,
+    trim_metrics,
+)
+from common import (
+    ArgumentParser,
     broadcast_object,
     check_flags,
-    check_output_dir,
     cleanup,
-    collate,
     fail,
-    fast_forward,
     init_distributed_mode,
-    load_checkpoint,
-    load_datasets,
-    load_model_state,
     peer_failure,
     print0,
-    save_checkpoint,
     together,
-    trim_metrics,
-    warmup_cosine,
 )
+from data import DATASETS, collate, load_datasets
+from training import fast_forward, warmup_cosine
 
 
 def get_args(argv=None):
@@ -101,7 +100,7 @@ def parse_devices(text, device_flag):
 
 
 def build_pipeline_cnn(in_channels, num_classes, widths=(32, 64, 128), hidden=128):
-    """A small CNN, unlike common.build_model's a flat nn.Sequential of 5 blocks that stages
+    """A small CNN, unlike models.build_model's a flat nn.Sequential of 5 blocks that stages
     are cut from. GroupNorm, not BatchNorm: per sample, so micro-batches change nothing. Stride
     2, not max-pooling, whose ties flip with rounding. No in-place ReLU: a stage's input is a
     received buffer autograd keeps."""

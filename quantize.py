@@ -21,11 +21,8 @@ One CPU process (these int8 kernels run on CPUs), after any training script:
     python quantize.py --checkpoint runs/fsdp/model.pt --model mlp   # a whole-model file
     python quantize.py                          # no checkpoint: trains a float model first
 
---checkpoint takes a model of common.py (--model cnn, mlp, vit or resnet18) in either form:
-a checkpoint.pt of ddp_train.py, ddp_comm.py, dp_train.py or ddp_mp_spawn.py (its "model";
-its --model is recorded), or a plain state_dict such as fsdp_train.py's and
-tensor_parallel.py's model.pt (no record: pass the --model it was trained with).
-
+--checkpoint takes a model of models.py: a checkpoint.pt of the DDP-family scripts (its
+--model recorded), or a plain state_dict such as model.pt (pass the --model it trained with).
 torch.ao.quantization (FX graph mode, used here) is deprecated in favour of torchao's PT2E flow
 (torch.export, prepare_pt2e, calibrate, convert_pt2e): the same steps.
 """
@@ -50,23 +47,17 @@ from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx, prepare_qa
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from common import (
-    DATASETS,
-    MODELS,
-    ArgumentParser,
+from checkpoint import (
     atomic_write,
-    build_model,
-    check_flags,
     check_output_dir,
-    collate,
-    fail,
     load_checkpoint,
-    load_datasets,
     load_model_state,
     read_weights,
     save_checkpoint,
-    seed_everything,
 )
+from common import ArgumentParser, check_flags, fail
+from data import DATASETS, collate, load_datasets
+from models import MODELS, build_model, seed_everything
 
 # torch.ao.quantization warns on every call that it is deprecated, and so do the quantized
 # tensor types (also when torch.load rebuilds them); its x86 defaults warn about reduce_range,

@@ -28,54 +28,62 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
-from common import (
-    ViT,
-    build_sharded,
+from checkpoint import (
     check_output_dir,
-    check_sharded_args,
-    cleanup,
-    end_epoch,
-    evaluate,
     export_whole,
+    find_checkpoint,
+    initial_state,
+    publish_sharded,
+    read_sharded_meta,
+    reading,
+    resume_step,
+    rng_state,
+    sharded_tmp,
+    trim_metrics,
+)
+from common import (
+    cleanup,
     fail,
-    fast_forward,
     init_distributed_mode,
-    load_datasets,
-    log_loss,
-    pad_batches,
     peer_failure,
     print0,
-    read_sharded_meta,
-    resume_sharded,
-    rng_state,
-    save_sharded,
-    seed_everything,
-    shard_loaders,
-    sharded_parser,
+    require_torch,
     together,
-    trim_metrics,
+)
+from data import load_datasets, pad_batches, shard_loaders
+from models import ViT, seed_everything
+from training import (
+    check_sharded_args,
+    end_epoch,
+    evaluate,
+    fast_forward,
+    log_loss,
+    sharded_parser,
     warmup_cosine,
 )
 
-try:  # DTensor's and FSDP2's public homes since PyTorch 2.6
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-except ImportError:
-    fully_shard = None
-
 
 def get_args(argv=None):
-    p = sharded_parser(__doc__)  # --data, --epochs, --lr, ..., --dist-timeout: common.py's
+    p = sharded_parser(__doc__)  # --data, --epochs, --lr, ..., --dist-timeout: training.py's
     add = p.add_argument
     add("--dp", type=int, default=1, help="data-parallel degree (FSDP); TP: processes / dp")
     add("--tp", type=int, help="tensor-parallel degree (default: processes / --dp)")
@@ -140,8 +148,7 @@ def read_meta(path, args):
 
 def main(argv=None):
     args = get_args(argv)
-    if fully_shard is None or torch.__version__ < "2.7":  # 2.6's FSDP2 fails on a CPU mesh
-        fail(f"tensor_parallel.py needs PyTorch 2.7 or newer (this is {torch.__version__})")
+    require_torch("2.9", "tensor_parallel.py")  # requirements.txt's floor
     # The process group: rank, world size and device from whichever launcher started us.
     info = init_distributed_mode(
         backend=args.backend, device=args.device, timeout_s=args.dist_timeout
@@ -195,8 +202,14 @@ def main(argv=None):
                 fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
 
         # Built on no device whole, as in fsdp_train.py: the model's shapes on the meta device,
-        # split, then each rank's pieces filled from rank 0's seeded CPU copy.
-        model = build_sharded(build, split, device, args.seed)
+        # split, then memory for each rank's pieces, filled from rank 0's seeded CPU copy.
+        with torch.device("meta"):
+            model = build()
+        state = initial_state(build, args.seed)  # rank 0: the whole model; None elsewhere
+        split(model)
+        model.to_empty(device=device)
+        fill = StateDictOptions(full_state_dict=True, broadcast_from_rank0=info.distributed)
+        set_model_state_dict(model, state or {}, options=fill)  # all ranks participate
         use_autocast = args.amp == "bf16" and dp == 1  # without FSDP, autocast gives bf16
         autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, use_autocast)
 
@@ -207,10 +220,19 @@ def main(argv=None):
         lr = args.lr * global_batch / 256
         optimizer = torch.optim.AdamW(model.parameters(), lr, weight_decay=args.weight_decay)
 
-        # Resume: rank 0 finds and checks the checkpoint; every rank reads its pieces (any degree).
-        check = functools.partial(read_meta, args=args)
-        batches = (global_batch, steps_per_epoch)
-        resume, step = resume_sharded(args, model, optimizer, check, batches, device)
+        # Resume, as in fsdp_train.py: rank 0 finds and checks the checkpoint; every rank reads
+        # the parts of the saved pieces that make up its own, at any degree (all participate).
+        resume, meta = find_checkpoint(args, functools.partial(read_meta, args=args))
+        step = 0
+        if resume:
+            model_state, optim_state = get_state_dict(model, optimizer)  # to be filled in
+            with reading(resume):
+                dcp.load(dict(model=model_state, optimizer=optim_state), checkpoint_id=resume)
+            loaded = dict(model_state_dict=model_state, optim_state_dict=optim_state)
+            set_state_dict(model, optimizer, **loaded)
+        if resume and not args.eval_only:
+            batches = (global_batch, steps_per_epoch)
+            step = resume_step(args, optimizer, meta, resume, batches, device)
 
         scheduler = warmup_cosine(optimizer, args.warmup, total_steps)  # warm-up, cosine decay
         fast_forward(scheduler, step)  # the rate is a function of the step alone
@@ -230,7 +252,11 @@ def main(argv=None):
         def save(step):  # all ranks participate
             meta = dict(step=step, steps_per_epoch=steps_per_epoch, rng=rng_state(device))
             meta.update(global_batch=global_batch, args=dict(vars(args), model="vit"))
-            save_sharded(out, model, optimizer, meta)
+            # Every rank writes its pieces; rank 0 then publishes them (see fsdp_train.py).
+            model_state, optim_state = get_state_dict(model, optimizer)
+            state = dict(model=model_state, optimizer=optim_state)
+            dcp.save(state, checkpoint_id=sharded_tmp(out))
+            publish_sharded(out, meta)
 
         start_epoch = step // steps_per_epoch
         metrics = out / "metrics.jsonl" if out and rank == 0 else None

@@ -26,13 +26,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import (  # noqa: E402 - the repository root is on the path only now
-    ArgumentParser,
-    build_model,
-    cleanup,
-    init_distributed_mode,
-    load_datasets,
-)
+from common import ArgumentParser, cleanup, init_distributed_mode
+from data import load_datasets
+from models import build_model
 
 
 def main():

@@ -14,7 +14,7 @@ What makes it the classic recipe, kept on purpose:
 
 OUTPUT_DIR/metrics.jsonl has ddp_train.py's fields (epoch, step, train_loss, test_loss,
 test_acc, epoch_seconds, samples_per_second), so benchmarks/run_all.py reads both the same
-way. Evaluation uses common.evaluate (every test sample counted once) and is not timed.
+way. Evaluation uses training.evaluate (every test sample counted once) and is not timed.
 The data must be torchvision's unzipped files in DATA_DIR/FashionMNIST/raw (or --download).
 """
 
@@ -30,16 +30,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import (  # noqa: E402 - the repository root is on the path only now
-    ArgumentParser,
-    cleanup,
-    eval_shard,
-    evaluate,
-    fail,
-    init_distributed_mode,
-    print0,
-    reduce_value,
-)
+from common import ArgumentParser, cleanup, fail, init_distributed_mode, print0, reduce_value
+from data import eval_shard
+from training import evaluate
 
 
 class LeNet(nn.Module):

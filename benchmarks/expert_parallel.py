@@ -9,7 +9,7 @@ For each number of processes, one torchrun launch trains, in turn, in the same p
     all processes (shard_experts, the two all-to-alls per block, average_gradients);
   - "moe ddp": the same model whole on every process, under DDP (no all-to-all: every expert
     is local; every expert's gradient all-reduced);
-  - "dense ddp": common.py's ViT under DDP: its MLP's 4 x dim hidden features are what the MoE
+  - "dense ddp": models.py's ViT under DDP: its MLP's 4 x dim hidden features are what the MoE
     computes per token (2 experts of 2 x dim), so the compute per token is the same but for
     the routers.
 Each at --batch-size samples per process, random tensors of Fashion-MNIST's shape (the bytes
@@ -39,7 +39,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import expert_parallel  # noqa: E402
-from common import ViT, cleanup, init_distributed_mode  # noqa: E402
+from common import cleanup, init_distributed_mode  # noqa: E402
+from models import ViT  # noqa: E402
 
 WRAPPERS = ("moe ep", "moe ddp", "dense ddp")
 

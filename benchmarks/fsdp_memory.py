@@ -35,8 +35,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from sharding import local_bytes  # noqa: E402
+from torch.distributed.checkpoint.state_dict import (  # noqa: E402
+    StateDictOptions,
+    set_model_state_dict,
+)
 
-from common import ViT, build_sharded, cleanup, init_distributed_mode  # noqa: E402
+from checkpoint import initial_state  # noqa: E402
+from common import cleanup, init_distributed_mode  # noqa: E402
+from models import ViT  # noqa: E402
 
 LAYOUTS = ("ddp", "fsdp", "fsdp built whole", "hsdp")
 
@@ -80,7 +86,14 @@ def worker(args):
             model = net = build()
             shard(model)
         else:
-            model = net = build_sharded(build, shard, torch.device("cpu"), 0)
+            # fsdp_train.py's build: meta, shard, memory for the shards, filled from rank 0's
+            with torch.device("meta"):
+                model = net = build()
+            state = initial_state(build, 0)
+            shard(model)
+            model.to_empty(device="cpu")
+            fill = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            set_model_state_dict(model, state or {}, options=fill)
         build_peak = resident_kb("VmHWM") - before
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         per_rank = args.global_batch // world

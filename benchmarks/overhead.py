@@ -27,15 +27,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ddp_train  # noqa: E402
-from common import (  # noqa: E402 - the repository root is on the path only now
-    DATASETS,
-    ArgumentParser,
-    build_model,
-    cleanup,
-    fail,
-    init_distributed_mode,
-    load_datasets,
-)
+from common import ArgumentParser, cleanup, fail, init_distributed_mode
+from data import DATASETS, load_datasets
+from models import build_model
 
 
 def main():

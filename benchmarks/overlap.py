@@ -42,7 +42,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ddp_comm  # noqa: E402
-from common import MODELS, ArgumentParser, build_model, cleanup, init_distributed_mode  # noqa: E402
+from common import ArgumentParser, cleanup, init_distributed_mode  # noqa: E402
+from models import MODELS, build_model  # noqa: E402
 
 OPTIONS = ("ddp", "blocking", "fp16", "bf16", "powersgd", "local4", "local16", "zero")
 COUNTED_STEPS = 16

@@ -37,7 +37,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from common import build_model, cleanup, init_distributed_mode  # noqa: E402
+from common import cleanup, init_distributed_mode  # noqa: E402
+from models import build_model  # noqa: E402
 
 WRAPPERS = ("ddp", "ddp+zero", "fsdp", "fsdp no reshard", "tp", "tp+sp", "2-d")
 

@@ -22,6 +22,8 @@ import torch
 
 import common
 import ddp_train
+import models
+import training
 
 ROOT = Path(__file__).resolve().parent.parent
 FRESH = os.environ.get("FRESH_PROCESSES") == "1"  # no fork server: see forkserver.py
@@ -285,10 +287,12 @@ def single_process_eval(ckpt_path, argv):
     args = ddp_train.get_args(argv)
     _, train_loader, test_loader = built_loaders(argv, 1, 0)
     image = train_loader.dataset[0][0]
-    model = common.build_model(args.model, image.shape[0], 10, image_size=image.shape[-1])
+    model = models.build_model(args.model, image.shape[0], 10, image_size=image.shape[-1])
     model.load_state_dict(load_ckpt(ckpt_path)["model"])
     memory_format = torch.channels_last if args.channels_last else torch.preserve_format
-    return common.evaluate(model.to(memory_format=memory_format), test_loader, torch.device("cpu"))
+    return training.evaluate(
+        model.to(memory_format=memory_format), test_loader, torch.device("cpu")
+    )
 
 
 @pytest.fixture

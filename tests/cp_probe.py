@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import context_parallel  # noqa: E402
-from common import InMemoryDataset  # noqa: E402
+from data import InMemoryDataset  # noqa: E402
 
 reports, *train = sys.argv[1 : sys.argv.index("--")]
 argv = sys.argv[sys.argv.index("--") + 1 :]

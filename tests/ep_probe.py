@@ -97,7 +97,8 @@ real_model = expert_parallel.MoEViT
 class MoEViT(real_model):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        models.append(self)
+        if self.pos.is_meta:  # the model trained (rank 0 also builds a CPU copy to fill it)
+            models.append(self)
 
 
 expert_parallel.MoEViT = MoEViT

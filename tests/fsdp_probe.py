@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import common  # noqa: E402
+import data  # noqa: E402
 import fsdp_train  # noqa: E402
+import models  # noqa: E402
 
 modes, reports, argv = sys.argv[1].split("+"), sys.argv[2], sys.argv[sys.argv.index("--") + 1 :]
 seen = Counter()  # and lists
@@ -64,14 +65,14 @@ def evaluate(*args, **kwargs):  # its forwards are not training's
 fsdp_train.evaluate = evaluate
 
 
-class Sampler(common.DistributedSampler):
+class Sampler(data.DistributedSampler):
     def __iter__(self):
         order = list(super().__iter__())
         seen.setdefault("order", []).append(order)  # one per epoch
         return iter(order)
 
 
-common.DistributedSampler = Sampler  # what common.shard_loaders makes
+data.DistributedSampler = Sampler  # what data.shard_loaders makes
 
 if "collectives" in modes:
     # FSDP2's collectives, named by PyTorch release.
@@ -84,13 +85,13 @@ if "collectives" in modes:
         if hasattr(dist, name):
             count(name, kind)
 if "recompute" in modes:
-    real_forward = common.Block.forward
+    real_forward = models.Block.forward
 
     def forward(self, x):
         seen["block forward"] += not evaluating
         return real_forward(self, x)
 
-    common.Block.forward = forward
+    models.Block.forward = forward
 if "shards" in modes:
     real_adamw = torch.optim.AdamW
 
@@ -120,7 +121,7 @@ if "crash-in-save" in modes:
         if seen["saves"] == 2:
             os._exit(9)  # every rank, after its shards and before meta.pt and the renames
 
-    dcp.save = save  # what common.save_sharded calls
+    dcp.save = save  # what fsdp_train.py calls
 if "crash-in-async-save" in modes:
     import torch.distributed.checkpoint as dcp
 
@@ -137,7 +138,7 @@ if "crash-in-async-save" in modes:
 if "build" in modes:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    real_fully_shard, real_build = fsdp_train.fully_shard, fsdp_train.build_sharded
+    real_fully_shard, real_fill = fsdp_train.fully_shard, fsdp_train.set_model_state_dict
 
     def fully_shard(module, **kwargs):
         tensors = itertools.chain(module.parameters(), module.buffers())
@@ -145,15 +146,14 @@ if "build" in modes:
         seen.setdefault("mesh", []).append(kwargs["mesh"].device_type)
         return real_fully_shard(module, **kwargs)
 
-    def build_sharded(*args, **kwargs):
-        model = real_build(*args, **kwargs)
+    def set_model_state_dict(model, *args, **kwargs):  # the fill, after the meta build
+        real_fill(model, *args, **kwargs)
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(model, options=options)  # all ranks participate
         if not dist.is_initialized() or dist.get_rank() == 0:
             torch.save(state, os.path.join(reports, "initial.pt"))
-        return model
 
-    fsdp_train.fully_shard, fsdp_train.build_sharded = fully_shard, build_sharded
+    fsdp_train.fully_shard, fsdp_train.set_model_state_dict = fully_shard, set_model_state_dict
 
 real_cleanup = fsdp_train.cleanup
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from conftest import SYNTHETIC, run_python
 
-import common
 import ddp_comm
 import ddp_mp_spawn
 import ddp_train
 import dp_train
+import models
 
 CHEAP = [*SYNTHETIC, "--epochs", "1", "--max-steps", "1"]
 JUNK = random.Random(0).randbytes(4096)  # a corrupt file, the same in every run
@@ -38,7 +38,7 @@ def fails(main, argv):
 
 
 def real_checkpoint(path, model="cnn"):
-    torch.save(dict(model=common.build_model(model, 1, 10).state_dict(), epoch=1), path)
+    torch.save(dict(model=models.build_model(model, 1, 10).state_dict(), epoch=1), path)
     return path
 
 
@@ -269,3 +269,23 @@ def test_a_check_on_rank_0_stops_every_rank_with_its_cause(tmp_path):
         assert rank.returncode == 1
         last = rank.stderr.strip().splitlines()[-1]
         assert last.startswith("error: output directory") and "not writable" in last, rank.stderr
+
+
+@pytest.mark.parametrize(
+    "script", ["fsdp_train", "tensor_parallel", "context_parallel", "expert_parallel"]
+)
+def test_sharded_scripts_refuse_what_requirements_refuse(no_launcher, tmp_path, script):
+    """PyTorch 2.7 and 2.8 run the sharded scripts, but two processes of fsdp_train.py no
+    longer take one process's steps there (README): refused in one line, as requirements.txt
+    refuses them, before anything is written; 2.10 (after 2.9 by number, not by text) runs."""
+    module = __import__(script)
+    out = tmp_path / "out"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "__version__", "2.8.0")
+        line = fails(module.main, [*CHEAP, "--output-dir", str(out)])
+    assert line == f"error: {script}.py needs PyTorch 2.9 or newer (this is 2.8.0)"
+    assert_untouched(out)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "__version__", "2.10.0")  # on to the next check: no checkpoint
+        line = fails(module.main, [*CHEAP, "--eval-only", "--resume", str(out)])
+    assert "does not exist" in line

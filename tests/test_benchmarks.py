@@ -13,7 +13,7 @@ import math
 import pytest
 from conftest import ROOT, SYNTHETIC, read_metrics, run_python
 
-import common
+import models
 
 spec = importlib.util.spec_from_file_location("run_all", ROOT / "benchmarks" / "run_all.py")
 run_all = importlib.util.module_from_spec(spec)
@@ -112,7 +112,7 @@ def test_sharding_benchmark_counts_what_tensor_parallel_ranks_hold():
         rows[cells[2]] = [float(c) for c in cells[3:8]]  # ... optimizer, activations
     ddp, tp, sp = rows["ddp"], rows["tp"], rows["tp+sp"]
     # TP 2 halves the 9 split tensors of each block and keeps the rest whole.
-    vit = common.ViT(1, 10, 28)
+    vit = models.ViT(1, 10, 28)
     columns = ("attn.q.", "attn.k.", "attn.v.", "mlp.fc1.")
     rows_split = ("attn.proj.weight", "mlp.fc2.weight")
     split = sum(

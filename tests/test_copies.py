@@ -26,7 +26,7 @@ from conftest import (
     torchrun,
 )
 
-import common
+import models
 
 # 62 steps per epoch (2000 samples, global batch 32), 2 epochs. The rate is high enough that
 # the weights move far more than the tolerance.
@@ -105,8 +105,8 @@ def stopped(tmp_path_factory):
 
 @pytest.mark.slow
 def test_the_weights_moved(straight):
-    common.seed_everything(3)  # what every script does just before it builds the model
-    initial = common.build_model("mlp", 1, 10).state_dict()
+    models.seed_everything(3)  # what every script does just before it builds the model
+    initial = models.build_model("mlp", 1, 10).state_dict()
     assert max_abs_diff(initial, straight["model"]) > 50 * ATOL
 
 

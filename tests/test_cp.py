@@ -24,9 +24,9 @@ from conftest import (
 
 import common
 import context_parallel
-
-# The script refuses PyTorch before 2.7 in one line (2.6's FSDP2 fails on a CPU mesh).
-pytestmark = pytest.mark.skipif(torch.__version__ < "2.7", reason="needs PyTorch 2.7 or newer")
+import data
+import models
+import training
 
 GLOBAL_BATCH = 12  # 1 x 12; CP 2: one group of 12; 2 x 2: two groups of 6
 STEPS = 4
@@ -57,11 +57,11 @@ def whole(out):
 
 
 def long_vit():
-    return common.ViT(1, 10, 28, patch=(1, 28))  # each row a token, as context_parallel.py
+    return models.ViT(1, 10, 28, patch=(1, 28))  # each row a token, as context_parallel.py
 
 
 def initial():
-    common.seed_everything(0)  # what context_parallel.py builds first
+    models.seed_everything(0)  # what context_parallel.py builds first
     return long_vit().state_dict()
 
 
@@ -255,15 +255,15 @@ def eval_only(nproc, checkpoint, *flags):
 
 @pytest.mark.slow
 def test_evaluation_is_exact_at_1_2_and_4_processes_and_the_export_loads_alone(cp2):
-    """model.pt evaluated here by common.evaluate on the plain ViT; the checkpoint evaluated at
+    """model.pt evaluated here by training.evaluate on the plain ViT; the checkpoint evaluated at
     1 process, CP 2 and 2 x 2, both with the all-gather (test batches of 166: 499 samples in 3
     and 2 x 2 batches)."""
     _, out = cp2
     model = long_vit()
     model.load_state_dict(whole(out))
-    _, test_set, _, _ = common.load_datasets("synthetic", "data")
-    loader = torch.utils.data.DataLoader(test_set, 256, collate_fn=common.collate)
-    loss, acc = common.evaluate(model, loader, torch.device("cpu"))
+    _, test_set, _, _ = data.load_datasets("synthetic", "data")
+    loader = torch.utils.data.DataLoader(test_set, 256, collate_fn=data.collate)
+    loss, acc = training.evaluate(model, loader, torch.device("cpu"))
     assert read_metrics(out)[-1]["test_acc"] == acc
     assert read_metrics(out)[-1]["test_loss"] == pytest.approx(loss, abs=1e-5)
     expected = pytest.approx((round(loss, 4), round(acc, 4)), abs=1.1e-4)
@@ -332,10 +332,6 @@ def test_refusals(no_launcher):
         context_parallel.get_args(["--heads", "5"])
     with pytest.raises(SystemExit, match="--cp must be at least 1"):
         context_parallel.get_args(["--cp", "0"])
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(context_parallel, "fully_shard", None)
-        with pytest.raises(SystemExit, match="needs PyTorch 2.7 or newer"):
-            context_parallel.main([*SYNTHETIC])
 
 
 @pytest.mark.slow

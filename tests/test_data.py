@@ -5,13 +5,13 @@ import pytest
 import torch
 from conftest import SYNTHETIC, built_loaders, run_python
 
-import common
+import data
 import ddp_train
 
 
 @pytest.fixture(scope="module")
 def synthetic():
-    train_set, test_set, _, _ = common.load_datasets("synthetic", "unused")
+    train_set, test_set, _, _ = data.load_datasets("synthetic", "unused")
     return train_set, test_set
 
 
@@ -128,7 +128,7 @@ def _download_rank(rank, world, local_ranks, port, log):
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    real_load = common._load
+    real_load = data._load
 
     def fake_load(name, data_dir, download, image_size):
         with open(log, "a") as f:
@@ -138,9 +138,9 @@ def _download_rank(rank, world, local_ranks, port, log):
             f.write(f"{rank} {int(download)} end {time.time()}\n")
         return real_load("synthetic", data_dir, False, image_size)
 
-    common._load = fake_load
+    data._load = fake_load
     try:
-        common.load_datasets("fashion-mnist", "unused", download=True, local_rank=local_ranks[rank])
+        data.load_datasets("fashion-mnist", "unused", download=True, local_rank=local_ranks[rank])
     finally:
         dist.destroy_process_group()
 

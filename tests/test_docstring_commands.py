@@ -17,6 +17,7 @@ import ast
 import importlib
 import re
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -24,7 +25,8 @@ import pytest
 import torch
 from conftest import ROOT, clean_env, communicate, popen
 
-SCRIPTS = sorted(p.name for p in ROOT.glob("*.py") if p.name != "common.py")
+SHARED = {"common.py", "models.py", "data.py", "checkpoint.py", "training.py", "profiling.py"}
+SCRIPTS = sorted(p.name for p in ROOT.glob("*.py") if p.name not in SHARED)
 # Flags set to their smallest value wherever a script takes them, and those left alone.
 SMALL = {"--epochs": "1", "--max-steps": "2", "--qat-steps": "2", "--runs": "1"}
 # model_parallel.py's one stage per process (its torchrun commands) needs PyTorch 2.10.
@@ -65,8 +67,8 @@ def docstring_commands(script):
 def smallest(script, argv, images):
     """The command's own flags, shrunk, plus the smallest data and device the script takes."""
     source = (ROOT / script).read_text()
-    if "sharded_parser(" in source:  # the sharded scripts' shared flags are common.py's
-        source += (ROOT / "common.py").read_text()
+    if "sharded_parser(" in source:  # the sharded scripts' shared flags are training.py's
+        source += (ROOT / "training.py").read_text()
     takes = lambda flag: f'"{flag}"' in source  # noqa: E731 - its add_argument names it
     launcher, flags = argv[: argv.index("|")], argv[argv.index("|") + 1 :]
     flags = ["cpu" if re.fullmatch(r"cuda(:\d+)?(,cuda(:\d+)?)*", f) else f for f in flags]
@@ -187,3 +189,54 @@ def test_ci_installs_with_the_readme_setup_line():
     ci = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert setup in ci, setup
     assert 'python3 -m pytest -m "not slow" tests' in "\n".join(readme)
+
+
+def imports(name, found=None):
+    """The project's modules that module `name` imports, directly or through another."""
+    found = set() if found is None else found
+    for node in ast.walk(ast.parse((ROOT / f"{name}.py").read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        names += [node.module] if isinstance(node, ast.ImportFrom) else []
+        for module in names:
+            if f"{module}.py" in SHARED and module not in found:
+                found.add(module)
+                imports(module, found)
+    return found
+
+
+def readme_copy_table():
+    """README's "Copying a script" table: script -> the files its row names."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Copying a script", 1)[1].split("\n## ", 1)[0]
+    rows = [ln.split("|") for ln in section.splitlines() if ln.startswith("| `")]
+    return {
+        script: set(re.findall(r"`(\w+\.py)`", files))
+        for cells in rows
+        for script in re.findall(r"`(\w+\.py)`", cells[1])
+        for files in [cells[2]]
+    }
+
+
+@pytest.mark.parametrize(
+    "script",
+    [pytest.param(s, marks=[] if s == "ddp_train.py" else pytest.mark.slow) for s in SCRIPTS],
+)
+def test_each_script_runs_from_a_copy_with_the_files_readme_names(script, tmp_path):
+    """README says which files a copy of each script needs: exactly the modules it imports
+    (directly or through another). The script and those files alone, in an empty folder
+    with nothing of the repository on the path, run: nothing else is needed."""
+    needs = readme_copy_table()[script]
+    assert needs == {f"{m}.py" for m in imports(script.removesuffix(".py"))}, script
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in [script, *needs]:
+        shutil.copy(ROOT / name, copy / name)
+    _, flags = smallest(script, ["|"], image_folder(tmp_path / "images"))
+    env = clean_env()
+    env.pop("PYTHONPATH", None)
+    cmd = [sys.executable, script, *flags, "--output-dir", str(tmp_path / "out")]
+    if script == "ddp_mp_spawn.py":
+        cmd += ["--nprocs", "1"]
+    proc = communicate(popen(cmd, copy, env), timeout=300)
+    assert proc.returncode == 0, f"{shlex.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert sorted(p.name for p in copy.iterdir() if p.suffix == ".py") == sorted([script, *needs])

@@ -14,8 +14,9 @@ import torch
 import torch.nn as nn
 from conftest import DIST_TIMEOUT, ROOT, SYNTHETIC, run_python, torchrun
 
-import common
+import checkpoint
 import dp_train
+import models
 
 MLP_STEPS = [*SYNTHETIC, "--model", "mlp", "--batch-size", "32"]
 
@@ -42,7 +43,7 @@ def test_dataparallel_replicas_compute_in_the_dtype_asked_for():
     device's default dtype (fp16 on CUDA, bf16 on CPU), not the one asked for. Mimicked here
     on CPU: a thread that enables autocast with the default dtype, as parallel_apply does,
     must still compute in fp16 when fp16 was asked for."""
-    model = dp_train.Autocast(common.build_model("mlp", 1, 10), torch.float16)
+    model = dp_train.Autocast(models.build_model("mlp", 1, 10), torch.float16)
     dtypes = []
     model.module[1].register_forward_hook(lambda module, inputs, out: dtypes.append(out.dtype))
 
@@ -70,7 +71,7 @@ def test_dataparallel_replicas_compute_nhwc(channels_last):
         return torch.empty(t.shape, dtype=t.dtype).copy_(t)
 
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    model = common.build_model("cnn", 1, 10).to(memory_format=fmt)
+    model = models.build_model("cnn", 1, 10).to(memory_format=fmt)
     replica = copy.deepcopy(dp_train.Autocast(model, None, fmt))
     for p in replica.parameters():
         p.data = nchw(p.data)  # as replicate()'s broadcast copies are
@@ -92,8 +93,8 @@ def test_dp_train_checkpoint_keeps_every_gpus_rng_state(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: None)
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda s: restored.update(all=s))
     device = torch.device("cuda", 0)
-    common.save_checkpoint({"rng": [dp_train.rng_states(device)]}, tmp_path / "ckpt.pt")
-    [state] = common.read_torch_file(tmp_path / "ckpt.pt")["rng"]
+    checkpoint.save_checkpoint({"rng": [dp_train.rng_states(device)]}, tmp_path / "ckpt.pt")
+    [state] = checkpoint.read_torch_file(tmp_path / "ckpt.pt")["rng"]
     for visible in (2, 1):
         monkeypatch.setattr(torch.cuda, "device_count", lambda n=visible: n)
         dp_train.set_rng_states(state, device)

@@ -23,7 +23,10 @@ from conftest import (
 from torch.utils.data import DistributedSampler
 
 import common
+import data
 import expert_parallel
+import models
+import training
 
 GLOBAL_BATCH = 12  # 1 x 12; EP 2: 2 x 6; EP 4 and 2 x EP 2: 4 x 3
 STEPS = 4
@@ -51,7 +54,7 @@ def whole(out):
 
 
 def initial():
-    common.seed_everything(0)  # what expert_parallel.py builds first
+    models.seed_everything(0)  # what expert_parallel.py builds first
     return expert_parallel.MoEViT(1, 10, 28, 96, 4, EXPERTS, K, 1.0).state_dict()
 
 
@@ -227,9 +230,9 @@ def test_evaluation_is_exact_at_every_degree_and_the_export_loads_alone(ep2):
     _, out = ep2
     model = expert_parallel.MoEViT(1, 10, 28, 96, 4, EXPERTS, K, 1.0)
     model.load_state_dict(whole(out))
-    _, test_set, _, _ = common.load_datasets("synthetic", "data")
-    loader = torch.utils.data.DataLoader(test_set, 256, collate_fn=common.collate)
-    loss, acc = common.evaluate(model, loader, torch.device("cpu"))
+    _, test_set, _, _ = data.load_datasets("synthetic", "data")
+    loader = torch.utils.data.DataLoader(test_set, 256, collate_fn=data.collate)
+    loss, acc = training.evaluate(model, loader, torch.device("cpu"))
     assert read_metrics(out)[-1]["test_acc"] == acc
     assert read_metrics(out)[-1]["test_loss"] == pytest.approx(loss, abs=1e-6)
     expected = pytest.approx((round(loss, 4), round(acc, 4)), abs=1.1e-4)
@@ -370,7 +373,7 @@ def test_benchmark_counts_the_bytes_each_process_sends():
     everything = sum(p.numel() for p in model.parameters())
     assert ep[0] == mb(everything - experts / 2) and moe[0] == mb(everything)
     assert ep[2] == mb(everything - experts) and moe[2] == mb(everything)  # ring, 2 processes
-    assert dense[2] == mb(sum(p.numel() for p in common.ViT(1, 10, 28).parameters()))
+    assert dense[2] == mb(sum(p.numel() for p in models.ViT(1, 10, 28).parameters()))
     bound = BLOCKS * 2 * 2 * (4 * TOKENS * K) * 96  # rows of 96 numbers, at most all sent
     assert 0 < ep[1] <= bound * 4 / 2**20 and moe[1] == dense[1] == 0
     # Seeded, so the same each run: 0.43 of the bound (some choices dropped, about half of the
@@ -387,7 +390,7 @@ def test_each_epoch_takes_a_new_order(tmp_path):
     out = tmp_path / "out"
     argv = ["tests/ep_probe.py", tmp_path, "--", *FAST, "--epochs", "2", "--max-steps", "0"]
     torchrun_workers(2, [*argv, "--batch-size", "500", "--output-dir", out])
-    labels = common.load_datasets("synthetic", "data")[0].labels
+    labels = data.load_datasets("synthetic", "data")[0].labels
     for rank in (0, 1):
         seen = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)["labels"]
         assert len(seen) == 4 and not torch.equal(seen[2], seen[0])

@@ -70,7 +70,8 @@ def _eval_rank(rank, world, port, out):
     import torch.distributed as dist
     from conftest import built_loaders
 
-    import common
+    import data
+    import training
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -78,7 +79,7 @@ def _eval_rank(rank, world, port, out):
     # correctly for even indices only, so the exact accuracy is 250/499.
     images = torch.zeros(499, 1, 2, 2)
     images[:, 0, 0, 0] = torch.arange(499)
-    test_set = common.InMemoryDataset(images, torch.arange(499) % 10, range(10))
+    test_set = data.InMemoryDataset(images, torch.arange(499) % 10, range(10))
     seen = []
 
     class Recorder(torch.nn.Module):
@@ -91,7 +92,7 @@ def _eval_rank(rank, world, port, out):
 
     datasets = (test_set, test_set, 10, 1)
     _, _, test_loader = built_loaders(["--batch-size", "16"], world, rank, datasets)
-    _, acc = common.evaluate(Recorder(), test_loader, torch.device("cpu"))
+    _, acc = training.evaluate(Recorder(), test_loader, torch.device("cpu"))
     (out / f"{rank}.json").write_text(json.dumps(dict(seen=seen, acc=acc)))
     dist.destroy_process_group()
 

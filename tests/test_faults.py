@@ -23,9 +23,11 @@ import pytest
 import torch
 from conftest import communicate, free_port, max_abs_diff, popen
 
+import checkpoint
 import common
 import ddp_mp_spawn
 import ddp_train
+import models
 
 ROOT = Path(__file__).resolve().parent.parent
 # Synthetic data (made in memory); a peer that never answers ends a run in a minute.
@@ -179,7 +181,7 @@ def uninterrupted(tmp_path_factory):
         ]
     )
     assert proc.returncode == 0, proc.stderr
-    return common.load_checkpoint(out / "checkpoint.pt")["model"]
+    return checkpoint.load_checkpoint(out / "checkpoint.pt")["model"]
 
 
 def check_resumed_exactly(out, text, uninterrupted):
@@ -187,7 +189,7 @@ def check_resumed_exactly(out, text, uninterrupted):
     [(epoch, step)] = resumed_at(text)
     assert epoch == 0 and 0 < step < STEPS_PER_EPOCH, text
     assert [m["epoch"] for m in metrics(out)] == [0, 1]  # every epoch once
-    ckpt = common.load_checkpoint(out / "checkpoint.pt")
+    ckpt = checkpoint.load_checkpoint(out / "checkpoint.pt")
     assert (ckpt["epoch"], ckpt["epoch_step"], ckpt["step"]) == (2, 0, 2 * STEPS_PER_EPOCH)
     # ... and no sample of epoch 0 was trained twice or skipped: bit for bit the uninterrupted run.
     for key in uninterrupted:
@@ -296,7 +298,7 @@ def test_mp_spawn_child_killed_ends_job_and_rerun_resumes(tmp_path):
     assert [m["epoch"] for m in metrics(out)] == [0, 1]
     straight = tmp_path / "straight"
     assert run([sys.executable, *cmd[:-1], straight]).returncode == 0
-    ends = [common.load_checkpoint(d / "checkpoint.pt") for d in (out, straight)]
+    ends = [checkpoint.load_checkpoint(d / "checkpoint.pt") for d in (out, straight)]
     assert max_abs_diff(ends[0]["model"], ends[1]["model"]) < 1e-6
 
 
@@ -322,12 +324,12 @@ def test_mid_epoch_resume_equals_an_uninterrupted_run(tmp_path, plain_process):
     ddp_train.main(
         [str(a) for a in [*args, "--output-dir", resumed, "--max-steps", "40"]]
     )  # 62 steps/epoch
-    stopped = common.load_checkpoint(resumed / "checkpoint.pt")
+    stopped = checkpoint.load_checkpoint(resumed / "checkpoint.pt")
     assert (stopped["epoch"], stopped["epoch_step"], stopped["step"]) == (0, 40, 40)
     ddp_train.main([str(a) for a in [*args, "--output-dir", resumed]])
 
-    a = common.load_checkpoint(straight / "checkpoint.pt")
-    b = common.load_checkpoint(resumed / "checkpoint.pt")
+    a = checkpoint.load_checkpoint(straight / "checkpoint.pt")
+    b = checkpoint.load_checkpoint(resumed / "checkpoint.pt")
     assert a["step"] == b["step"] == 124
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
@@ -364,7 +366,7 @@ def test_mid_epoch_snapshot_resumes_at_another_world_size(tmp_path, plain_proces
     assert proc.returncode == 0, proc.stderr
     assert resumed_at(proc.stdout) == [(0, 0)], proc.stdout
     assert [m["epoch"] for m in metrics(out)] == [0]
-    assert common.load_checkpoint(out / "checkpoint.pt")["world_size"] == 2
+    assert checkpoint.load_checkpoint(out / "checkpoint.pt")["world_size"] == 2
 
 
 # ----------------------------------------------------------------------------------------
@@ -373,8 +375,8 @@ def test_mid_epoch_snapshot_resumes_at_another_world_size(tmp_path, plain_proces
 
 KILLED_WHILE_SAVING = """
 import io, os, signal, sys, torch
-import common
-common.save_checkpoint({"model": {"w": torch.zeros(3)}, "tag": "previous"}, sys.argv[1])
+import checkpoint
+checkpoint.save_checkpoint({"model": {"w": torch.zeros(3)}, "tag": "previous"}, sys.argv[1])
 
 def dying_save(obj, path):  # half the new file reaches the disk, then the power goes out
     buffer = io.BytesIO()
@@ -385,7 +387,7 @@ def dying_save(obj, path):  # half the new file reaches the disk, then the power
     os.kill(os.getpid(), signal.SIGKILL)
 
 real_save, torch.save = torch.save, dying_save
-common.save_checkpoint({"model": {"w": torch.ones(1_000_000)}, "tag": "new"}, sys.argv[1])
+checkpoint.save_checkpoint({"model": {"w": torch.ones(1_000_000)}, "tag": "new"}, sys.argv[1])
 """
 
 
@@ -393,12 +395,12 @@ def test_process_killed_while_saving_leaves_previous_checkpoint(tmp_path):
     path = tmp_path / "checkpoint.pt"
     proc = run([sys.executable, "-c", KILLED_WHILE_SAVING, path], PYTHONPATH=str(ROOT))
     assert proc.returncode == -signal.SIGKILL, proc.stderr
-    assert common.load_checkpoint(path)["tag"] == "previous"
+    assert checkpoint.load_checkpoint(path)["tag"] == "previous"
     # The half-written temp file stays hidden beside it (SIGKILL skips all clean-up)...
     [leftover] = [p.name for p in tmp_path.iterdir() if p.name != "checkpoint.pt"]
     assert leftover.startswith(".checkpoint.pt.tmp")
     # ...and the next save clears it away.
-    common.save_checkpoint({"model": {"w": torch.ones(2)}}, path)
+    checkpoint.save_checkpoint({"model": {"w": torch.ones(2)}}, path)
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
 
 
@@ -433,11 +435,11 @@ def checkpoint_of(model, path):
 @pytest.mark.parametrize("case", ["another model", "another class count", "truncated"])
 def test_unfit_checkpoint_is_a_one_line_error_naming_the_file(tmp_path, plain_process, case):
     if case == "another model":
-        path = checkpoint_of(common.MLP(1, 10), tmp_path / "mlp.pt")
+        path = checkpoint_of(models.MLP(1, 10), tmp_path / "mlp.pt")
     elif case == "another class count":
-        path = checkpoint_of(common.SmallCNN(1, 3), tmp_path / "three_classes.pt")
+        path = checkpoint_of(models.SmallCNN(1, 3), tmp_path / "three_classes.pt")
     else:
-        whole = checkpoint_of(common.SmallCNN(1, 10), tmp_path / "whole.pt").read_bytes()
+        whole = checkpoint_of(models.SmallCNN(1, 10), tmp_path / "whole.pt").read_bytes()
         path = tmp_path / "truncated.pt"
         path.write_bytes(whole[: len(whole) // 2])
     message = fails(ddp_train.main, [*SYNTHETIC, "--model", "cnn", "--eval-only", "--resume", path])
@@ -574,7 +576,7 @@ torch.nn.functional.cross_entropy = cross_entropy
             "at step 5: lower --lr, .*",
             marks=pytest.mark.slow,
         ),
-        # The four sharded scripts share common.log_loss, which checks at log steps (every 4
+        # The four sharded scripts share training.log_loss, which checks at log steps (every 4
         # here): both name step 8. Each rank checking its own loss would stop rank 1 alone.
         (
             "fsdp_train",
@@ -623,7 +625,7 @@ def test_peer_that_stops_answering_ends_the_job_within_the_timeout(tmp_path):
         rank1.communicate()
     line = error_line(result)
     assert "rank 0: another process died or stopped responding" in line
-    common.load_checkpoint(out / "checkpoint.pt")  # what was saved is intact
+    checkpoint.load_checkpoint(out / "checkpoint.pt")  # what was saved is intact
 
 
 # ----------------------------------------------------------------------------------------

@@ -28,8 +28,9 @@ from conftest import (
     torchrun,
 )
 
-import common
+import data
 import finetune
+import models
 
 ATOL = 1e-5
 # Tiny images and a high rate: a few steps move the head far more than the parity tolerance.
@@ -115,7 +116,7 @@ def test_torchrun_matches_single_process(tmp_path, probe, pretrained):
     assert ckpt["world_size"] == 2
     # The test can fail: the head moved far from its initial value, the same for both runs
     # (same seed), so half the rate or one rank's gradients alone would show.
-    common.seed_everything(0)  # what finetune.py does before it builds the model
+    models.seed_everything(0)  # what finetune.py does before it builds the model
     start, _ = finetune.build_pretrained_resnet(
         finetune.get_args(["--weights", "none"]), num_classes=10
     )
@@ -222,7 +223,7 @@ def test_ddp_train_resnet18_fine_tunes_on_other_classes(tmp_path, ddp_resnet18):
 
 
 def test_select_classes_and_labels_per_class():
-    dataset, _, _, _ = common.load_datasets("synthetic", "unused")
+    dataset, _, _, _ = data.load_datasets("synthetic", "unused")
     labels = dataset.labels
     picked = finetune.select(dataset, [2, 7], 4, seed=0)
     assert picked.labels.bincount().tolist() == [4, 4] and picked.classes == ["class2", "class7"]
@@ -255,7 +256,7 @@ def resnet50_file(path):
 
 
 def small_cnn_file(path):  # what ddp_train.py --model cnn saves
-    torch.save({"model": common.SmallCNN(1, 10).state_dict()}, path)
+    torch.save({"model": models.SmallCNN(1, 10).state_dict()}, path)
 
 
 @pytest.mark.parametrize(

@@ -22,11 +22,11 @@ from conftest import (
     torchrun_workers,
 )
 
-import common
+import checkpoint
+import data
 import fsdp_train
-
-# The script refuses PyTorch before 2.7 in one line (2.6's FSDP2 fails on a CPU mesh).
-pytestmark = pytest.mark.skipif(torch.__version__ < "2.7", reason="needs PyTorch 2.7 or newer")
+import models
+import training
 
 # Adam divides by the root of the squared gradients: an element whose gradient is nearly zero
 # takes a step of nearly full size in a direction set by rounding, so a few elements of 10^5
@@ -72,8 +72,8 @@ def assert_same_training(out, reference, model, resumed=False):
 
 
 def initial(model):
-    common.seed_everything(0)  # what fsdp_train.py builds first
-    return common.build_model(model, 1, 10).state_dict()
+    models.seed_everything(0)  # what fsdp_train.py builds first
+    return models.build_model(model, 1, 10).state_dict()
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,7 @@ def three_ranks(tmp_path_factory):
 def test_each_rank_holds_a_third_of_every_parameter_and_of_the_optimizer_state(three_ranks):
     reports = {rank: report["shapes"] for rank, report in three_ranks[0].items()}
     assert sorted(reports) == [0, 1, 2]
-    params = list(common.build_model("vit", 1, 10).parameters())
+    params = list(models.build_model("vit", 1, 10).parameters())
     held = 0
     for rank, shapes in reports.items():
         assert [whole for whole, _, _ in shapes] == [list(p.shape) for p in params]
@@ -152,7 +152,7 @@ def test_each_rank_holds_a_third_of_every_parameter_and_of_the_optimizer_state(t
 
 @pytest.mark.slow
 def test_mixed_precision_gathers_bf16_and_reduces_fp32_and_resharding_gathers_again():
-    depth = len(common.build_model("vit", 1, 10).blocks)
+    depth = len(models.build_model("vit", 1, 10).blocks)
     steps = 2
     seen = probe("collectives", 2, steps=steps)
     # Forward gathers every unit (the blocks and the root); backward the blocks again, which
@@ -174,7 +174,7 @@ def test_mixed_precision_gathers_bf16_and_reduces_fp32_and_resharding_gathers_ag
 @pytest.mark.slow
 def test_activation_checkpointing_runs_each_block_again_in_backward():
     """Each block's forward runs twice a step: the second time in backward."""
-    depth = len(common.build_model("vit", 1, 10).blocks)
+    depth = len(models.build_model("vit", 1, 10).blocks)
     assert probe("recompute", 2, "--checkpoint-activations", steps=2)["block forward"] == 4 * depth
 
 
@@ -199,11 +199,11 @@ def eval_only(nproc, checkpoint):
 def test_evaluation_is_exact_at_1_2_and_3_processes_and_the_export_loads_alone(sharded):
     out = sharded
     # The export, loaded into the plain model in this process, evaluated by one process.
-    model = common.build_model("vit", 1, 10)
+    model = models.build_model("vit", 1, 10)
     model.load_state_dict(whole(out))
-    _, test_set, _, _ = common.load_datasets("synthetic", "data")
-    loader = torch.utils.data.DataLoader(test_set, 256, collate_fn=common.collate)
-    loss, acc = common.evaluate(model, loader, torch.device("cpu"))
+    _, test_set, _, _ = data.load_datasets("synthetic", "data")
+    loader = torch.utils.data.DataLoader(test_set, 256, collate_fn=data.collate)
+    loss, acc = training.evaluate(model, loader, torch.device("cpu"))
     assert read_metrics(out)[-1]["test_acc"] == acc  # the 2 processes' evaluation
     assert read_metrics(out)[-1]["test_loss"] == pytest.approx(loss, abs=1e-6)
     for nproc in (1, 3):  # --eval-only of the 2 processes' checkpoint
@@ -262,10 +262,6 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path):
 def test_refusals(no_launcher):
     with pytest.raises(SystemExit, match="--cpu-offload keeps the shards in CPU memory"):
         fsdp_train.main([*SYNTHETIC, "--cpu-offload", "--max-steps", "1"])
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fsdp_train, "fully_shard", None)
-        with pytest.raises(SystemExit, match="needs PyTorch 2.7 or newer"):
-            fsdp_train.main([*SYNTHETIC])
     # A mesh that does not fit the processes: every rank stops before any collective.
     with pytest.raises(SystemExit, match="--replicate 2 does not divide the 1 processes"):
         fsdp_train.main([*SYNTHETIC, "--replicate", "2"])
@@ -301,7 +297,7 @@ def test_no_rank_holds_the_whole_model_and_the_shards_start_as_one_process(three
     """Every unit fully_shard gets is still on the meta device (no memory), on a CPU mesh, and
     the weights gathered right after the build are one process's seeded ones, exactly."""
     reports, tmp = three_ranks
-    depth = len(common.build_model("vit", 1, 10).blocks)
+    depth = len(models.build_model("vit", 1, 10).blocks)
     assert sorted(reports) == [0, 1, 2]
     for report in reports.values():
         assert report["meta"] == [True] * (depth + 1)  # the blocks, then the root
@@ -314,7 +310,7 @@ def weights_file(path, model, wrapped):
     """A state dict of `model` with values no seed gives (running variances positive), saved
     plain or as the 'model' of a checkpoint of these scripts."""
     state = {}
-    for k, v in common.build_model(model, 1, 10).state_dict().items():
+    for k, v in models.build_model(model, 1, 10).state_dict().items():
         state[k] = torch.randint_like(v, 1, 5) if not v.is_floating_point() else torch.rand_like(v)
     torch.save(dict(model=state, epoch=3) if wrapped else state, path)
     return state
@@ -343,10 +339,10 @@ def test_init_from_a_file_that_does_not_fit_is_one_line_on_every_rank(tmp_path):
         len(set(errors)) == 1 and "does not fit this model: the model has no '1.bias'" in errors[0]
     )
     assert not out.exists() or not any(out.iterdir())  # nothing written
-    state = common.build_model("vit", 1, 10).state_dict()
+    state = models.build_model("vit", 1, 10).state_dict()
     state["head.weight"] = state["head.weight"][:5]
     with pytest.raises(SystemExit, match=r"'head.weight' is \(5, 96\) in the file, \(10, 96\)"):
-        common.check_weights(state, common.build_model("vit", 1, 10), "f.pt")
+        checkpoint.check_weights(state, models.build_model("vit", 1, 10), "f.pt")
 
 
 @pytest.mark.slow
@@ -360,7 +356,7 @@ def test_accumulation_reduce_scatters_once_per_step_and_equals_the_whole_batch(t
     seen, out = run_probe(
         "collectives+clip", 2, tmp_path / "2", *clip, "--accum-steps", "2", batch=3
     )
-    depth = len(common.build_model("vit", 1, 10).blocks)
+    depth = len(models.build_model("vit", 1, 10).blocks)
     assert seen[0]["reduce_scatter backward float32"] == 5 * (depth + 1)
     assert min(one[0]["norms"]) > 0.5  # clipping acts at every step
     assert seen[0]["norms"] == pytest.approx(one[0]["norms"], rel=1e-5)
@@ -372,7 +368,7 @@ def test_hsdp_2_by_2_trains_as_one_process_and_each_rank_holds_half(tmp_path, re
     """4 processes as 2 replicas of 2 shards: each rank holds its replica's half of every
     parameter and of both AdamW moments, and the steps are one process's."""
     seen, out = run_probe("shards", 4, tmp_path, "--replicate", "2")
-    params = list(common.build_model("vit", 1, 10).parameters())
+    params = list(models.build_model("vit", 1, 10).parameters())
     assert sorted(seen) == [0, 1, 2, 3]
     for rank, report in seen.items():
         for p, (shape, local, state) in zip(params, report["shapes"], strict=True):
@@ -426,10 +422,10 @@ def test_bf16_trains_every_model_with_batchnorm(tmp_path, model):
     the fp32 loss of the same weights on the same batch, to bf16's precision."""
     out = train(tmp_path, "bf16", 2, model, "--amp", "bf16", "--max-steps", "1")
     torch.manual_seed(0)
-    net = common.build_model(model, 1, 10).train()
-    train_set, _, _, _ = common.load_datasets("synthetic", "data")
+    net = models.build_model(model, 1, 10).train()
+    train_set, _, _, _ = data.load_datasets("synthetic", "data")
     sampler = torch.utils.data.DistributedSampler(train_set, 1, 0, seed=0, drop_last=True)
-    images, labels = common.collate([train_set[i] for i in list(sampler)[:GLOBAL_BATCH]])
+    images, labels = data.collate([train_set[i] for i in list(sampler)[:GLOBAL_BATCH]])
     with torch.no_grad():
         loss = torch.nn.functional.cross_entropy(net(images), labels, label_smoothing=0.1)
     assert read_metrics(out)[-1]["train_loss"] == pytest.approx(loss.item(), abs=2e-2)
@@ -462,7 +458,7 @@ def test_memory_benchmark_counts_the_shards_and_measures_each_rank(tmp_path):
     rows = {r["layout"]: r for r in json.loads(report.read_text())}
     whole = 4 * 4 * rows["ddp"]["n_params"]  # fp32 weights, gradients, exp_avg, exp_avg_sq
     assert sum(rows["ddp"][k] for k in ("params", "grads", "optimizer")) == whole
-    vit = common.ViT(1, 10, 28, dim=64, depth=2, heads=2)
+    vit = models.ViT(1, 10, 28, dim=64, depth=2, heads=2)
     rank0 = sum(len(torch.arange(p.shape[0]).chunk(2)[0]) * p[0].numel() for p in vit.parameters())
     assert sum(rows["fsdp"][k] for k in ("params", "grads", "optimizer")) == 4 * 4 * rank0
     assert all(r["peak_kb"] > 0 and r["build_kb"] >= 0 for r in rows["fsdp"]["ranks"])

@@ -42,7 +42,9 @@ from conftest import (
 )
 from torch.utils.data import DataLoader
 
-import common
+import data
+import models
+import training
 
 ON_CPU = os.environ.get("GPU_TESTS_ON_CPU") == "1"
 if not ON_CPU and not torch.cuda.is_available():
@@ -132,8 +134,8 @@ def run(tmp_path_factory):
 
 @functools.cache
 def synthetic_test_loader():
-    _, test_set, _, _ = common.load_datasets("synthetic", "data")
-    return DataLoader(test_set, batch_size=100, collate_fn=common.collate)
+    _, test_set, _, _ = data.load_datasets("synthetic", "data")
+    return DataLoader(test_set, batch_size=100, collate_fn=data.collate)
 
 
 def check_contract(out, model, loss_tol=5e-3, acc_tol=2 / 499, keys=()):
@@ -154,7 +156,7 @@ def check_contract(out, model, loss_tol=5e-3, acc_tol=2 / 499, keys=()):
         "wrapper prefixes saved"
     )
     model.load_state_dict(ckpt["model"], strict=True)
-    loss, acc = common.evaluate(model, synthetic_test_loader(), torch.device("cpu"))
+    loss, acc = training.evaluate(model, synthetic_test_loader(), torch.device("cpu"))
     assert loss == pytest.approx(records[-1]["test_loss"], abs=loss_tol, rel=loss_tol)
     assert acc == pytest.approx(records[-1]["test_acc"], abs=acc_tol)
     return ckpt, records
@@ -172,7 +174,7 @@ def tensors(obj):
 
 
 def ddp_model(name):
-    return common.build_model(name, 1, 10)
+    return models.build_model(name, 1, 10)
 
 
 def weights(state):
@@ -494,7 +496,7 @@ def test_dataparallel_replicas_compute_in_the_asked_dtype():
 
     device = torch.device(DEVICE, 0) if CUDA else torch.device("cpu")
     asked, default = (torch.bfloat16, torch.float16) if CUDA else (torch.float16, torch.bfloat16)
-    model = common.build_model("cnn", 1, 10).to(device)
+    model = models.build_model("cnn", 1, 10).to(device)
     inputs = [torch.randn(4, 1, 28, 28, device=device) for _ in range(2)]
     with torch.no_grad(), torch.autocast(device.type, dtype=asked):
         bare = replica_dtypes(model, inputs, device)
@@ -535,7 +537,7 @@ def mp_check(out, reference):
     different devices), and saved the whole model, which loads and evaluates on the CPU."""
     import model_parallel
 
-    common.seed_everything(0)  # what model_parallel.py starts from (--seed 0)
+    models.seed_everything(0)  # what model_parallel.py starts from (--seed 0)
     start = model_parallel.build_pipeline_cnn(1, 10).state_dict()
     ckpt, _ = check_contract(out, model_parallel.build_pipeline_cnn(1, 10))
     assert_same_training(ckpt["model"], load_ckpt(reference)["model"], start, CONV_TOL)
@@ -587,7 +589,7 @@ def test_finetune(run):
     model.load_state_dict(ckpt["model"], strict=True)
     [record] = read_metrics(out)
     assert record.keys() >= METRIC_KEYS
-    loss, acc = common.evaluate(net, synthetic_test_loader(), torch.device("cpu"))
+    loss, acc = training.evaluate(net, synthetic_test_loader(), torch.device("cpu"))
     # TF32 convolutions on the GPU round.
     assert loss == pytest.approx(record["test_loss"], abs=5e-3, rel=5e-3)
     assert acc == pytest.approx(record["test_acc"], abs=2 / 499)
@@ -632,9 +634,9 @@ def test_fsdp_bf16_and_cpu_offload(run):
     assert re.search(r"1 process\(es\) on " + DEVICE, proc.stdout), proc.stdout[-2000:]
     assert (out / "checkpoint" / ".metadata").is_file()
     state = torch.load(out / "model.pt", map_location="cpu", weights_only=True)
-    model = common.build_model("vit", 1, 10)
+    model = models.build_model("vit", 1, 10)
     model.load_state_dict(state)
-    loss, acc = common.evaluate(model, synthetic_test_loader(), torch.device("cpu"))
+    loss, acc = training.evaluate(model, synthetic_test_loader(), torch.device("cpu"))
     record = read_metrics(out)[-1]
     assert record["step"] == 5 and acc == pytest.approx(record["test_acc"], abs=0.02)
     assert loss == pytest.approx(record["test_loss"], abs=0.02, rel=0.02)
@@ -677,9 +679,9 @@ def test_tensor_parallel_bf16_sequence_parallel(run):
     out, proc = run("tensor_parallel.py", flags, nproc=tp)
     assert f"1 x {tp} (dp x tp) process(es) on {DEVICE}" in proc.stdout, proc.stdout[-2000:]
     state = torch.load(out / "model.pt", map_location="cpu", weights_only=True)
-    model = common.ViT(1, 10, 28)
+    model = models.ViT(1, 10, 28)
     model.load_state_dict(state)
-    loss, acc = common.evaluate(model, synthetic_test_loader(), torch.device("cpu"))
+    loss, acc = training.evaluate(model, synthetic_test_loader(), torch.device("cpu"))
     record = read_metrics(out)[-1]
     assert record["step"] == 5 and acc == pytest.approx(record["test_acc"], abs=0.02)
     assert loss == pytest.approx(record["test_loss"], abs=0.02, rel=0.02)

@@ -1,6 +1,6 @@
-"""common.py's smaller promises: the output-directory probe that no other process can delete,
-the note for mixed precision that runs slowly, the message of a failed download, and the
-sharded scripts' data loaders."""
+"""The shared modules' smaller promises: the output-directory probe that no other process
+can delete, the note for mixed precision that runs slowly, the message of a failed download,
+and the sharded scripts' data loaders."""
 
 import argparse
 import threading
@@ -10,11 +10,14 @@ import urllib.request
 import pytest
 import torch
 
+import checkpoint
 import common
+import data
 import ddp_comm
 import ddp_mp_spawn
 import ddp_train
 import dp_train
+import training
 
 
 def test_output_dir_probes_do_not_collide(tmp_path):
@@ -27,7 +30,7 @@ def test_output_dir_probes_do_not_collide(tmp_path):
         start.wait()
         for _ in range(100):
             try:
-                common.check_output_dir(tmp_path)
+                checkpoint.check_output_dir(tmp_path)
             except SystemExit as e:
                 errors.append(e.code)
 
@@ -56,7 +59,7 @@ def test_amp_note(monkeypatch, capsys, amp, device, capability, note):
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
-    common.amp_note(amp, torch.device(device))
+    training.amp_note(amp, torch.device(device))
     out = capsys.readouterr().out
     assert (note in out and out.count("\n") == 1) if note else out == ""
 
@@ -85,7 +88,7 @@ def test_failed_download_says_so(monkeypatch, tmp_path):
 
     monkeypatch.setattr(urllib.request, "urlopen", offline)
     with pytest.raises(SystemExit) as excinfo:
-        common.load_datasets("mnist", str(tmp_path / "d"), download=True)
+        data.load_datasets("mnist", str(tmp_path / "d"), download=True)
     message = excinfo.value.code
     assert message.startswith("error: downloading mnist into ") and "failed" in message, message
     assert "pass --download" not in message and "drop --download" in message
@@ -93,13 +96,13 @@ def test_failed_download_says_so(monkeypatch, tmp_path):
 
 
 def test_shard_loaders_cut_the_data_for_each_data_parallel_group():
-    """common.shard_loaders, the sharded scripts' data: each of 3 groups its own third of an
+    """data.shard_loaders, the sharded scripts' data: each of 3 groups its own third of an
     epoch, reshuffled by set_epoch; the test set once over the groups (499: uneven thirds);
     a batch larger than a shard refused in one line."""
-    train_set, test_set, _, _ = common.load_datasets("synthetic", None)
+    train_set, test_set, _, _ = data.load_datasets("synthetic", None)
     args = argparse.Namespace(batch_size=50, seed=0)
     cpu = torch.device("cpu")
-    loaders = [common.shard_loaders(train_set, test_set, args, 3, i, cpu) for i in range(3)]
+    loaders = [data.shard_loaders(train_set, test_set, args, 3, i, cpu) for i in range(3)]
 
     def epoch(e):
         for sampler, _, _ in loaders:
@@ -117,4 +120,4 @@ def test_shard_loaders_cut_the_data_for_each_data_parallel_group():
     assert sum(len(labels) for _, _, test in loaders for _, labels in test) == len(test_set)
     too_big = argparse.Namespace(batch_size=400, seed=0, accum_steps=2)
     with pytest.raises(SystemExit, match="--batch-size 400 x --accum-steps 2 is larger than one"):
-        common.shard_loaders(train_set, test_set, too_big, 3, 0, cpu)
+        data.shard_loaders(train_set, test_set, too_big, 3, 0, cpu)

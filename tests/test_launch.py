@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from conftest import clean_env, free_port, run_ranks
 
+import checkpoint
 import common
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
@@ -383,6 +384,8 @@ def test_rng_state_leaves_cuda_alone_on_the_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state", touched)
     monkeypatch.setattr(torch.cuda, "set_rng_state", touched)
-    state = common.rng_state(torch.device("cpu"))
+    state = checkpoint.rng_state(torch.device("cpu"))
     assert "cuda" not in state
-    common.set_rng_state({**state, "cuda": torch.zeros(1, dtype=torch.uint8)}, torch.device("cpu"))
+    checkpoint.set_rng_state(
+        {**state, "cuda": torch.zeros(1, dtype=torch.uint8)}, torch.device("cpu")
+    )

@@ -25,8 +25,8 @@ from conftest import (
     torchrun_workers,
 )
 
-import common
 import ddp_comm
+import models
 
 ATOL = 1e-5  # 2 processes against one: 5 steps of float rounding, as in test_parity.py
 
@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.optim import ZeroRedundancyOptimizer
 sys.path.insert(0, {str(ROOT)!r})
-import common, ddp_comm
+import common, ddp_comm, models
 
 register = ddp_comm.register_comm_hook
 def register_or_count(model, args, *rest):
@@ -67,7 +67,7 @@ def broadcast_coalesced(group, tensors, *args):  # DDP's broadcast of rank 0's b
 dist._broadcast_coalesced = broadcast_coalesced
 
 def before_forward(module, inputs):
-    if isinstance(module, (common.MLP, common.SmallCNN)) and module.training:
+    if isinstance(module, (models.MLP, models.SmallCNN)) and module.training:
         records.append((torch.cat([p.detach().reshape(-1) for p in module.parameters()]), sent[0]))
 torch.nn.modules.module.register_module_forward_pre_hook(before_forward)
 
@@ -106,7 +106,7 @@ def says_it_sends(proc):
     return float(said[1]) * 2**20
 
 
-MLP_BYTES = 4 * sum(p.numel() for p in common.build_model("mlp", 1, 10).parameters())
+MLP_BYTES = 4 * sum(p.numel() for p in models.build_model("mlp", 1, 10).parameters())
 
 
 @pytest.mark.parametrize(
@@ -239,7 +239,7 @@ def zero_stopped(tmp_path_factory):
 def test_zero_checkpoint_holds_the_whole_state(zero_stopped):
     ckpt = load_ckpt(zero_stopped)
     assert ckpt["step"] == 2
-    params = common.build_model("mlp", 1, 10).state_dict()
+    params = models.build_model("mlp", 1, 10).state_dict()
     # Gathered from both ranks: a momentum buffer for every parameter, in the plain SGD format.
     momentum = [s["momentum_buffer"].shape for s in ckpt["optimizer"]["state"].values()]
     assert momentum == [p.shape for p in params.values()]
@@ -314,7 +314,7 @@ def test_zero_shards_the_momentum_also_with_powersgd(tmp_path):
     ]
     proc, ranks = probe(tmp_path, 2, args)
     held = [rank["held"] for rank in ranks]
-    sizes = sorted((p.numel() for p in common.build_model("cnn", 1, 10).parameters()), reverse=True)
+    sizes = sorted((p.numel() for p in models.build_model("cnn", 1, 10).parameters()), reverse=True)
     expected = [0, 0]
     for size in sizes:
         expected[expected.index(min(expected))] += size

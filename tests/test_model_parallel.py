@@ -35,7 +35,9 @@ from conftest import (
 from torch.utils.data import DataLoader
 
 import common
+import data
 import model_parallel
+import training
 
 ATOL = 1e-5
 # 5 steps of batch 128 at a peak rate of 0.1 (0.2 per 256 samples): the weights move far more
@@ -168,9 +170,9 @@ def test_microbatches_match_naive(mp_runs):
 
 @pytest.fixture(scope="session")
 def initial_test_loss():
-    _, test_set, _, _ = common.load_datasets("synthetic", "data")
-    loader = DataLoader(test_set, 100, collate_fn=common.collate)
-    return common.evaluate(initial_model(), loader, torch.device("cpu"))[0]
+    _, test_set, _, _ = data.load_datasets("synthetic", "data")
+    loader = DataLoader(test_set, 100, collate_fn=data.collate)
+    return training.evaluate(initial_model(), loader, torch.device("cpu"))[0]
 
 
 @pytest.mark.slow
@@ -202,11 +204,11 @@ def test_evaluation_equals_one_process(mp_runs, name):
     """The split model's test loss and accuracy (last stage, a padded last batch) are one
     process's on the same weights, over every one of the 499 test samples."""
     out, _ = mp_runs(name)
-    _, test_set, num_classes, in_channels = common.load_datasets("synthetic", "data")
+    _, test_set, num_classes, in_channels = data.load_datasets("synthetic", "data")
     model = model_parallel.build_pipeline_cnn(in_channels, num_classes)
     model.load_state_dict(load_ckpt(out)["model"])
-    loader = DataLoader(test_set, 100, collate_fn=common.collate)
-    loss, acc = common.evaluate(model, loader, torch.device("cpu"))
+    loader = DataLoader(test_set, 100, collate_fn=data.collate)
+    loss, acc = training.evaluate(model, loader, torch.device("cpu"))
     [metrics] = read_metrics(out)
     assert metrics["test_loss"] == pytest.approx(loss, abs=1e-5)
     assert metrics["test_acc"] == pytest.approx(acc, abs=1e-9)
@@ -455,7 +457,7 @@ def test_each_epoch_takes_a_new_order(no_launcher, monkeypatch):
 
     monkeypatch.setattr(model_parallel, "F", types.SimpleNamespace(cross_entropy=cross_entropy))
     model_parallel.main([*SYNTHETIC, "--devices", "cpu", "--epochs", "2", "--batch-size", "1000"])
-    labels = common.load_datasets("synthetic", "unused")[0].labels
+    labels = data.load_datasets("synthetic", "unused")[0].labels
     expected = []
     for epoch in range(2):
         g = torch.Generator().manual_seed(0 + epoch)

@@ -26,15 +26,15 @@ from conftest import (
     torchrun,
 )
 
-import common
+import models
 
 ATOL = 1e-5
 
 
 def initial_weights():
     # What ddp_train.py starts from: the seed (0) is set just before the model is built.
-    common.seed_everything(0)
-    return common.build_model("mlp", 1, 10).state_dict()
+    models.seed_everything(0)
+    return models.build_model("mlp", 1, 10).state_dict()
 
 
 def check_parity(out_dir, reference_dir):

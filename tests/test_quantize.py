@@ -12,7 +12,8 @@ import torch
 from conftest import CNN_ARGS, run_python
 from torch.utils.data import DataLoader
 
-import common
+import data
+import models
 import quantize
 
 # torch.ao.quantization's deprecation notices (quantize.py silences them for its own runs;
@@ -102,17 +103,17 @@ def test_fp32_row_is_the_checkpoints_accuracy(quantized):
 def test_saved_int8_model_reloads(quantized):
     _, out, report, _ = quantized
     model = quantize.load_int8(out / "model_int8.pt")
-    _, test_set, _, _ = common.load_datasets("synthetic", "data")
-    loader = DataLoader(test_set, batch_size=256, collate_fn=common.collate)
+    _, test_set, _, _ = data.load_datasets("synthetic", "data")
+    loader = DataLoader(test_set, batch_size=256, collate_fn=data.collate)
     accuracy = (quantize.predictions(model, loader) == test_set.labels).double().mean().item()
     assert accuracy == rows(report)["static int8"]["accuracy"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(common.MODELS))
+@pytest.mark.parametrize("name", sorted(models.MODELS))
 def test_static_int8_for_every_model(name):
     torch.manual_seed(0)
-    model = common.build_model(name, 1, 10).eval()
+    model = models.build_model(name, 1, 10).eval()
     images = torch.randn(4, 1, 28, 28)
     qmodel = quantize.static_int8(model, [images], "x86")
     kinds = {type(m).__module__ for m in qmodel.modules()}
@@ -149,7 +150,7 @@ def fails(argv):
 
 
 def checkpoint(path, model="cnn", **extra):
-    torch.save(dict(model=common.build_model(model, 1, 10).state_dict(), **extra), path)
+    torch.save(dict(model=models.build_model(model, 1, 10).state_dict(), **extra), path)
     return path
 
 

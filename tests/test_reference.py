@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from conftest import DIST_TIMEOUT, SYNTHETIC, load_ckpt, max_abs_diff, torchrun
 
-import common
+import data
+import models
 
 STEPS = 12
 FLAGS = dict(
@@ -28,9 +29,9 @@ PER_RANK, ACCUM, WORLD, EPOCHS = 8, 2, 2, 1  # 62 steps/epoch, 6 of them warm-up
 
 
 def reference_weights():
-    train_set, _, _, _ = common.load_datasets("synthetic", "unused")
+    train_set, _, _, _ = data.load_datasets("synthetic", "unused")
     torch.manual_seed(FLAGS["seed"])
-    model = common.build_model("mlp", 1, 10)
+    model = models.build_model("mlp", 1, 10)
     global_batch = PER_RANK * ACCUM * WORLD
     peak = FLAGS["lr"] * global_batch / 256  # the linear scaling rule
     optimizer = torch.optim.SGD(
@@ -85,4 +86,4 @@ def test_two_processes_take_the_reference_steps(tmp_path):
     got = load_ckpt(tmp_path)["model"]
     assert max_abs_diff(got, expected) < 1e-5
     torch.manual_seed(FLAGS["seed"])
-    assert max_abs_diff(common.build_model("mlp", 1, 10).state_dict(), expected) > 1e-3  # it moved
+    assert max_abs_diff(models.build_model("mlp", 1, 10).state_dict(), expected) > 1e-3  # it moved

@@ -17,8 +17,9 @@ from conftest import (
 )
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-import common
+import checkpoint
 import ddp_train
+import models
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +122,8 @@ def test_resume_on_another_world_size_starts_from_the_checkpoint(stopped_run, tm
     )
     after = load_ckpt(out)
     assert after["step"] == saved["epoch"] * steps_per_epoch + 1
-    common.seed_everything(0)
-    fresh = common.build_model("cnn", 1, 10).state_dict()
+    models.seed_everything(0)
+    fresh = models.build_model("cnn", 1, 10).state_dict()
     weights = [k for k in saved["model"] if k.endswith("weight")]
     step = max((after["model"][k] - saved["model"][k]).abs().max().item() for k in weights)
     distance = max((fresh[k] - saved["model"][k]).abs().max().item() for k in weights)
@@ -205,7 +206,7 @@ def test_first_step_after_a_resume_at_another_batch_takes_this_runs_rate(no_laun
             )
         )
     )
-    assert common.load_checkpoint(tmp_path / "checkpoint.pt")["step"] == 6
+    assert checkpoint.load_checkpoint(tmp_path / "checkpoint.pt")["step"] == 6
     rates = []
     hook = register_optimizer_step_pre_hook(
         lambda optimizer, *_: rates.append(optimizer.param_groups[0]["lr"])
@@ -265,7 +266,7 @@ def test_mid_epoch_resume_with_another_sample_order_starts_the_epoch_again(
     samples" would skip others than were trained. The epoch starts again instead."""
     argv = [*MLP_ARGS, "--batch-size", "120", "--output-dir", tmp_path]
     ddp_train.main(list(map(str, [*argv, "--max-steps", "6"])))
-    assert common.load_checkpoint(tmp_path / "checkpoint.pt")["epoch_step"] == 6
+    assert checkpoint.load_checkpoint(tmp_path / "checkpoint.pt")["epoch_step"] == 6
     ddp_train.main(list(map(str, [*argv, *change, "--max-steps", "7"])))
     assert "at epoch 0, step 0 of 16" in capsys.readouterr().out
 

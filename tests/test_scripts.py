@@ -20,8 +20,8 @@ from conftest import (
     torchrun,
 )
 
-import common
 import expert_parallel
+import models
 
 CHECKPOINT_KEYS = {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "rng"}
 CHECKPOINT_KEYS |= {"steps_per_epoch", "world_size"}
@@ -43,7 +43,7 @@ def check_outputs(out_dir, stdout, world_size):
     assert ckpt.keys() >= CHECKPOINT_KEYS
     assert (ckpt["epoch"], ckpt["world_size"]) == (3, world_size)
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in ckpt["model"])
-    model = common.build_model("cnn", 1, 10)
+    model = models.build_model("cnn", 1, 10)
     model.load_state_dict(ckpt["model"], strict=True)
     return ckpt
 
@@ -83,15 +83,15 @@ def test_compiled_run_saves_plain_weights_and_matches_eager(tmp_path):
     run_python(["ddp_train.py", *steps, "--output-dir", tmp_path / "eager"])
     compiled, eager = load_ckpt(tmp_path / "compiled"), load_ckpt(tmp_path / "eager")
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in compiled["model"])
-    common.build_model("mlp", 1, 10).load_state_dict(compiled["model"], strict=True)
+    models.build_model("mlp", 1, 10).load_state_dict(compiled["model"], strict=True)
     assert_state_close(compiled["model"], eager["model"], atol=1e-5)
 
 
-@pytest.mark.parametrize("name", sorted(common.MODELS))
+@pytest.mark.parametrize("name", sorted(models.MODELS))
 def test_every_model_takes_cifar_sized_images(name):
     # 3 x 32 x 32 as well as Fashion-MNIST's 1 x 28 x 28: --model mlp --data cifar10 once
     # stopped with a shape error (its first layer was sized for 28 x 28 only).
-    model = common.build_model(name, 3, 10, image_size=32).eval()
+    model = models.build_model(name, 3, 10, image_size=32).eval()
     assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
 
 
@@ -156,8 +156,8 @@ def test_tensor_context_and_expert_parallel_each_train_on_two_processes(tmp_path
     def whole(out):
         return torch.load(out / "model.pt", map_location="cpu", weights_only=True)
 
-    common.ViT(1, 10, 28).load_state_dict(whole(tmp_path / "tensor_parallel"))
-    common.ViT(1, 10, 28, patch=(1, 28)).load_state_dict(whole(tmp_path / "context_parallel"))
+    models.ViT(1, 10, 28).load_state_dict(whole(tmp_path / "tensor_parallel"))
+    models.ViT(1, 10, 28, patch=(1, 28)).load_state_dict(whole(tmp_path / "context_parallel"))
     moe = expert_parallel.MoEViT(1, 10, 28, 96, 4, 8, 2, 1.25)
     moe.load_state_dict(whole(tmp_path / "expert_parallel"))
     choices = 2 * 16 * 16 * 2  # steps x global batch x tokens an image x top-k

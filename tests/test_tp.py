@@ -26,10 +26,10 @@ from conftest import (
 from torch.utils.data import DistributedSampler
 
 import common
+import data
+import models
 import tensor_parallel
-
-# The script refuses PyTorch before 2.7 in one line (2.6's FSDP2 fails on a CPU mesh).
-pytestmark = pytest.mark.skipif(torch.__version__ < "2.7", reason="needs PyTorch 2.7 or newer")
+import training
 
 GLOBAL_BATCH = 12  # 1 x 12; TP 2: one group of 12; 2 x 2: two groups of 6
 # The probe cuts the training set to TRAIN samples: 2 steps an epoch, so that STEPS steps
@@ -58,7 +58,7 @@ def probe(nproc, reports, *flags, dp=1):
 
 @functools.cache
 def train_labels():
-    return common.load_datasets("synthetic", "data")[0].labels[:TRAIN]
+    return data.load_datasets("synthetic", "data")[0].labels[:TRAIN]
 
 
 def sampler_labels(step):
@@ -76,8 +76,8 @@ def whole(out):
 
 
 def initial():
-    common.seed_everything(0)  # what tensor_parallel.py builds first
-    return common.ViT(1, 10, 28).state_dict()
+    models.seed_everything(0)  # what tensor_parallel.py builds first
+    return models.ViT(1, 10, 28).state_dict()
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +165,7 @@ def test_2d_takes_the_steps_of_one_process_and_holds_its_part(tmp_path, referenc
 
 COUNT = """
 import json, sys, torch, torch.distributed as dist
-import common, tensor_parallel as tp
+import common, models, tensor_parallel as tp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
@@ -173,7 +173,7 @@ dist.init_process_group("gloo")
 mesh, counts = init_device_mesh("cpu", (2,)), {}
 for sp in (False, True):
     torch.manual_seed(0)
-    model = common.ViT(1, 10, 28, depth=2)
+    model = models.ViT(1, 10, 28, depth=2)
     for block in model.blocks:
         parallelize_module(block, mesh, tp.block_plan(sp))
     if sp:
@@ -235,7 +235,7 @@ def test_each_rank_holds_its_part_of_every_split_weight(tp2):
             expected[split(name)] //= 2
             halves += 1
         assert local == expected and state == [local, local], name
-    assert halves == 9 * len(common.ViT(1, 10, 28).blocks)
+    assert halves == 9 * len(models.ViT(1, 10, 28).blocks)
 
 
 def test_resume_at_another_degree_ends_where_one_run_ends(tmp_path, reference):
@@ -265,11 +265,11 @@ def eval_only(nproc, checkpoint, *flags):
 @pytest.mark.slow
 def test_evaluation_is_exact_at_every_degree_and_the_export_loads_alone(tp2):
     _, out = tp2
-    model = common.ViT(1, 10, 28)
+    model = models.ViT(1, 10, 28)
     model.load_state_dict(whole(out))
-    _, test_set, _, _ = common.load_datasets("synthetic", "data")
-    loader = torch.utils.data.DataLoader(test_set, 256, collate_fn=common.collate)
-    loss, acc = common.evaluate(model, loader, torch.device("cpu"))
+    _, test_set, _, _ = data.load_datasets("synthetic", "data")
+    loader = torch.utils.data.DataLoader(test_set, 256, collate_fn=data.collate)
+    loss, acc = training.evaluate(model, loader, torch.device("cpu"))
     assert read_metrics(out)[-1]["test_acc"] == acc
     assert read_metrics(out)[-1]["test_loss"] == pytest.approx(loss, abs=1e-6)
     expected = pytest.approx((round(loss, 4), round(acc, 4)), abs=1.1e-4)
@@ -326,10 +326,6 @@ def test_refusals(no_launcher):
         tensor_parallel.get_args(["--heads", "5"])
     with pytest.raises(SystemExit, match="--dp must be at least 1"):
         tensor_parallel.get_args(["--dp", "0"])
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tensor_parallel, "fully_shard", None)
-        with pytest.raises(SystemExit, match="needs PyTorch 2.7 or newer"):
-            tensor_parallel.main([*SYNTHETIC])
 
 
 @pytest.mark.slow
@@ -346,7 +342,7 @@ def test_an_fsdp_checkpoint_of_the_vit_evaluates_the_same_under_tensor_paralleli
 def test_warmup_cosine_rises_to_the_peak_then_decays_to_zero():
     """The schedule fsdp_train.py and tensor_parallel.py share, at 10 steps, warm-up 0.2."""
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    scheduler = common.warmup_cosine(optimizer, 0.2, 10)
+    scheduler = training.warmup_cosine(optimizer, 0.2, 10)
     rates = []
     for _ in range(10):
         rates.append(scheduler.get_last_lr()[0])

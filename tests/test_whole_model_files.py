@@ -11,9 +11,11 @@ import torch
 from conftest import SYNTHETIC, read_metrics, run_python
 from torch.utils.data import DataLoader
 
-import common
+import data
 import finetune
+import models
 import quantize
+import training
 
 pytestmark = [  # torch.ao.quantization's notices (quantize.py silences them in its own runs)
     pytest.mark.filterwarnings("ignore:torch.ao.quantization is deprecated:DeprecationWarning"),
@@ -35,11 +37,11 @@ def fails(main, argv):
 def test_quantize_takes_a_plain_state_dict(tmp_path):
     """An MLP's weights as model.pt holds them: fp32's accuracy is that model's own."""
     torch.manual_seed(1)
-    model = common.build_model("mlp", 1, 10)
+    model = models.build_model("mlp", 1, 10)
     torch.save(model.state_dict(), tmp_path / "model.pt")
-    _, test_set, _, _ = common.load_datasets("synthetic", "unused")
-    loader = DataLoader(test_set, batch_size=100, collate_fn=common.collate)
-    _, accuracy = common.evaluate(model, loader, torch.device("cpu"))
+    _, test_set, _, _ = data.load_datasets("synthetic", "unused")
+    loader = DataLoader(test_set, batch_size=100, collate_fn=data.collate)
+    _, accuracy = training.evaluate(model, loader, torch.device("cpu"))
     report = tmp_path / "q.json"
     argv = [*QUICK, "--checkpoint", tmp_path / "model.pt", "--model", "mlp", "--json", report]
     quantize.main(list(map(str, argv)))
@@ -50,7 +52,7 @@ def test_quantize_takes_a_plain_state_dict(tmp_path):
 @pytest.mark.parametrize(
     "content, words",
     [
-        (lambda: common.build_model("mlp", 1, 10).state_dict(), "does not fit this model"),
+        (lambda: models.build_model("mlp", 1, 10).state_dict(), "does not fit this model"),
         (lambda: {"weight": torch.zeros(2), "note": "text"}, "neither a checkpoint"),
         (lambda: [torch.zeros(2)], "neither a checkpoint"),
     ],
@@ -66,10 +68,10 @@ def test_quantize_refuses_what_does_not_fit(tmp_path, content, words):
 
 
 def test_finetune_takes_a_resnet_state_dict(tmp_path):
-    """common.py's ResNet-18 (as fsdp_train.py --model resnet18 saves it): every tensor but the
+    """models.py's ResNet-18 (as fsdp_train.py --model resnet18 saves it): every tensor but the
     1-channel 3x3 stem and the head loads, with the file's values."""
     torch.manual_seed(1)
-    state = common.build_model("resnet18", 1, 10).state_dict()
+    state = models.build_model("resnet18", 1, 10).state_dict()
     torch.save(state, tmp_path / "model.pt")
     args = finetune.get_args(["--weights-file", str(tmp_path / "model.pt")])
     model, new = finetune.build_pretrained_resnet(args, num_classes=5)
@@ -81,7 +83,7 @@ def test_finetune_takes_a_resnet_state_dict(tmp_path):
 
 @pytest.mark.parametrize("name", ["vit", "mlp", "cnn"])
 def test_finetune_refuses_another_network(tmp_path, name):
-    torch.save(common.build_model(name, 1, 10).state_dict(), tmp_path / "model.pt")
+    torch.save(models.build_model(name, 1, 10).state_dict(), tmp_path / "model.pt")
     args = finetune.get_args(["--weights-file", str(tmp_path / "model.pt")])
     with pytest.raises(SystemExit) as excinfo:
         finetune.build_pretrained_resnet(args, num_classes=5)

@@ -1,0 +1,269 @@
+"""Checkpoints and the files a run writes: whole-model checkpoints written atomically and read
+safely (weights only, onto the CPU, one-line errors), the RNG and optimizer state to resume
+exactly, the plumbing around torch.distributed.checkpoint for the sharded scripts (finding,
+checking, publishing: the DCP calls themselves are in each script), metrics.jsonl."""
+
+import contextlib
+import glob
+import json
+import os
+import random
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+
+from common import broadcast_object, fail, first_line, is_main_process, print0, together
+
+
+def rng_state(device):
+    """The RNG states to resume with; CUDA's only on CUDA (else: a context on GPU 0 per rank)."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state, device):
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"].cpu())  # RNG states must be CPU tensors
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+def load_optimizer_state(optimizer, state):
+    """A checkpoint's optimizer state (the momentum) with this run's settings (--lr,
+    --momentum, --weight-decay): make the scheduler after it, for this run's peak rate."""
+    own = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, settings in zip(optimizer.param_groups, own, strict=True):
+        params = group["params"]  # and nothing saved: a scheduler would keep its initial_lr
+        group.clear()
+        group.update(settings, params=params)
+
+
+def atomic_write(path, write):
+    """write(tmp) then rename it to `path`: a crash mid-write leaves the previous file whole."""
+    path = Path(path)
+    for stale in path.parent.glob(glob.escape(f".{path.name}.tmp") + "*"):
+        stale.unlink(missing_ok=True)  # left by a writer that was killed
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+        os.replace(tmp, path)
+    except OSError as e:  # a full disk, say
+        fail(f"could not write {path} ({e.strerror or e}); the previous one is kept")
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def save_checkpoint(state, path):  # on global rank 0 only
+    atomic_write(path, lambda tmp: torch.save(state, tmp))
+
+
+def read_torch_file(path, what="checkpoint"):
+    """torch.load onto the CPU (tensors saved on GPUs do not all land on GPU 0), weights only
+    (a file from elsewhere cannot run code), or a one-line error naming the file."""
+    if not Path(path).is_file():
+        fail(f"{what} {path} does not exist")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure to read is reported the same way
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+        if any("Unsupported global" in ln for ln in lines):  # it would have to call a class
+            fail(f"refused to load {what} {path}: it holds pickled objects other than tensors")
+        reason = next((ln for ln in lines if "WeightsUnpickler error" in ln), lines[0])
+        fail(f"cannot read {what} {path} (truncated or not a PyTorch file): {reason}")
+
+
+def load_checkpoint(path):
+    ckpt = read_torch_file(path)
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict):
+        fail(f"{path} is not a checkpoint of these scripts (no 'model' state dict in it)")
+    return ckpt
+
+
+def load_model_state(model, state_dict, path):
+    """load_state_dict with an error that says which checkpoint does not fit."""
+    try:
+        model.load_state_dict(state_dict)
+    except RuntimeError as e:
+        detail = [ln.strip() for ln in str(e).splitlines() if ln.strip()][1:2] or [first_line(e)]
+        fail(f"checkpoint {path} does not fit this model (another --model?): {detail[0]}")
+
+
+def read_weights(path, what="weights file"):
+    """A whole model's weights, read on this rank: a plain state_dict (model.pt of the sharded
+    scripts, a pretrained network's) or the 'model' of a checkpoint of these scripts; and the
+    flags that checkpoint recorded ({} for a plain state_dict)."""
+    state, flags = read_torch_file(path, what), {}
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state, flags = state["model"], state.get("args", {})
+    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+        why = "neither a checkpoint of these scripts nor a state_dict (names to tensors)"
+        fail(f"{what} {path} is {why}")
+    return state, flags
+
+
+def check_weights(state, model, path):
+    """Stop naming the first name or shape in `state` that does not fit `model` (which may be
+    on the meta device: only its shapes are read)."""
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for key in sorted(want.keys() | state.keys()):
+        if key not in state or key not in want:
+            where = "the model has no" if key in state else "the file has no"
+            fail(f"{path} does not fit this model: {where} {key!r}")
+        if tuple(state[key].shape) != want[key]:
+            got = f"{tuple(state[key].shape)} in the file, {want[key]} in the model"
+            fail(f"{path} does not fit this model: {key!r} is {got}")
+
+
+def initial_state(build, seed, init_from=None, model=None):
+    """Rank 0's whole model, in its CPU memory, to fill every rank's pieces of a sharded build
+    (all ranks participate; a bad file stops every rank): built and seeded as one process
+    builds it, so every layout starts from the same weights, or read from init_from (checked
+    against `model`, which may be on the meta device). None on the other ranks."""
+
+    def whole():
+        if init_from:
+            state, _ = read_weights(init_from, "--init-from")
+            check_weights(state, model, init_from)
+            return state
+        random.seed(seed)  # as models.seed_everything: a copy may bring its own models.py
+        torch.manual_seed(seed)
+        return build().state_dict()
+
+    return together(whole, run=is_main_process())
+
+
+# Sharded checkpoints (the four sharded scripts): a torch.distributed.checkpoint directory of
+# every rank's pieces, plus meta.pt (step, RNG, flags) from rank 0. The scripts call DCP's save
+# and load; what is around them (finding, checking, publishing) is here.
+def find_sharded(output_dir):
+    """OUTPUT_DIR's checkpoint, or checkpoint.old (a save that died between its renames)."""
+    found = [Path(output_dir or "", n) for n in ("checkpoint", "checkpoint.old")]
+    return next((p for p in found if output_dir and (p / "meta.pt").is_file()), None)
+
+
+def read_sharded_meta(path):
+    if Path(path).is_file():
+        why = "this script resumes from a directory of torch.distributed.checkpoint"
+        fail(f"{path} is a single-file checkpoint (ddp_train.py's?); {why}")
+    return read_torch_file(Path(path, "meta.pt"))  # "does not exist" for another directory
+
+
+def find_checkpoint(args, check):
+    """(--resume or OUTPUT_DIR's checkpoint, its meta.pt) on every rank, or (None, None): rank 0
+    finds it and check(path) reads and checks meta.pt (all ranks participate)."""
+    path = broadcast_object(args.resume or find_sharded(args.output_dir))
+    if not path:
+        return None, None
+    return path, broadcast_object(together(lambda: check(path), run=is_main_process()))
+
+
+@contextlib.contextmanager
+def reading(path):
+    """A shard that is missing, truncated or does not fit: one line, on every rank (DCP's load
+    gathers every rank's failures and raises them on all)."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        yield
+    except dcp.CheckpointException as e:
+        cause = first_line(next(iter(e.failures.values()))[0])
+        fail(f"cannot read checkpoint {path} (a missing or truncated shard?): {cause}")
+    except Exception as e:  # noqa: BLE001 - a shape or key that does not fit, say
+        fail(f"cannot read checkpoint {path}: {first_line(e)}")
+
+
+def resume_step(args, optimizer, meta, path, batches, device):
+    """After the pieces are loaded: check that the schedule can go on, keep this run's optimizer
+    settings (--lr, ...) beside the saved moments, and return the step to go on after.
+    `batches`: this run's (global batch, steps per epoch)."""
+    saved = meta["args"]
+    changed = [k for k in ("epochs", "warmup") if saved[k] != getattr(args, k)]
+    if changed:  # the schedule is a function of these: it cannot go on where it was
+        was = ", ".join(f"--{k} {saved[k]}" for k in changed)
+        fail(f"{path} was trained with {was}; resume with the same, or start anew")
+    for group in optimizer.param_groups:  # this run's settings (--lr, ...), the saved moments
+        group.update(optimizer.defaults, initial_lr=optimizer.defaults["lr"])
+    # The same global batch and seed make the same global batches at any layout (rank r takes
+    # every world-th sample): go on after the last step saved.
+    steps_per_epoch = batches[1]
+    if (meta["global_batch"], meta["steps_per_epoch"], saved["seed"]) == (*batches, args.seed):
+        step = meta["step"]
+        set_rng_state(meta["rng"], device)
+    else:  # other batches: a half-done epoch starts again, the schedule goes on
+        step = meta["step"] // meta["steps_per_epoch"] * steps_per_epoch
+    epoch, at = divmod(step, steps_per_epoch)
+    print0(f"resumed from {path} at epoch {epoch}, step {at} of {steps_per_epoch}")
+    return step
+
+
+def sharded_tmp(out):
+    """OUT/checkpoint.tmp, where every rank writes its pieces: a crashed save's is removed by
+    rank 0 first (DCP's save begins with a collective, so no rank writes before that)."""
+    tmp = Path(out, "checkpoint.tmp")
+    if is_main_process():
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tmp
+
+
+def publish_sharded(out, meta):
+    """Once every rank's pieces are in OUT/checkpoint.tmp: rank 0 adds meta.pt and renames it
+    to checkpoint; a crash at any point leaves the previous one whole."""
+    tmp, final, old = (Path(out, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.old"))
+    if is_main_process():
+        atomic_write(tmp / "meta.pt", lambda path: torch.save(meta, path))
+        if final.exists():  # then `old` is stale: a save killed while removing it
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def export_whole(model, paths):
+    """The whole model's state_dict, gathered into rank 0's CPU memory (all ranks participate),
+    written to each path there: a file that loads without FSDP or DTensor. Returns it on rank 0
+    (None elsewhere)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    whole = get_model_state_dict(model, options=options)
+
+    def write():  # a bad path stops every rank
+        for path in paths:
+            atomic_write(path, lambda tmp: torch.save(whole, tmp))
+
+    together(write, run=is_main_process())
+    return whole if is_main_process() else None
+
+
+def check_output_dir(path):
+    """Create the output directory and prove it writable now, not after hours of training."""
+    # A name no other process can hold: ranks on different nodes (or in containers) writing
+    # one shared folder can have the same process id, and would delete each other's probe.
+    probe = Path(path, f".write-test-{uuid.uuid4().hex}")
+    try:
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"0")
+        probe.unlink()
+    except OSError as e:
+        fail(f"output directory {path} is not writable: {e.strerror or e}")
+    return probe.parent
+
+
+def append_metrics(path, record):
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def trim_metrics(path, start_epoch):
+    """On resume, drop the lines of epochs that will run again: every epoch appears once."""
+    if Path(path).exists():
+        lines = Path(path).read_text().splitlines()
+        keep = "".join(ln + "\n" for ln in lines if json.loads(ln)["epoch"] < start_epoch)
+        atomic_write(path, lambda tmp: tmp.write_text(keep))

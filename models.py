@@ -1,0 +1,122 @@
+"""The networks the scripts train, and build_model: put your own model here (or import it in
+the script in build_model's place). Nothing in it is distributed: each strategy's script
+cuts, shards or wraps these plain modules itself."""
+
+import random
+from collections import OrderedDict
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def seed_everything(seed):
+    """The same initial weights wherever a model is built: on every rank, in every layout."""
+    random.seed(seed)
+    torch.manual_seed(seed)  # seeds every CUDA device too
+
+
+class SmallCNN(nn.Sequential):
+    """Three conv-BN-ReLU-maxpool blocks and a linear head; narrow, for CPUs."""
+
+    def __init__(self, in_channels=1, num_classes=10, widths=(16, 32, 64)):
+        layers = []
+        for c, w in zip((in_channels, *widths), widths, strict=False):  # no bias: BatchNorm's
+            layers += [nn.Conv2d(c, w, 3, padding=1, bias=False), nn.BatchNorm2d(w)]
+            layers += [nn.ReLU(inplace=True), nn.MaxPool2d(2)]
+        head = [nn.AdaptiveAvgPool2d(3), nn.Flatten(), nn.Linear(widths[-1] * 9, num_classes)]
+        super().__init__(OrderedDict(features=nn.Sequential(*layers), head=nn.Sequential(*head)))
+
+
+def resnet18_small(in_channels, num_classes):
+    """torchvision's ResNet-18 for small images: a 3x3 stride-1 stem and no max-pool, so a
+    28x28 or 32x32 input is not shrunk to 7x7 before the first block."""
+    from torchvision.models import resnet18
+
+    model = resnet18(num_classes=num_classes)
+    model.conv1 = nn.Conv2d(in_channels, 64, 3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    return model
+
+
+class MLP(nn.Sequential):
+    """Two linear layers, no BatchNorm or dropout: with it, DDP's result equals one process on
+    the whole batch up to float rounding (BatchNorm normalises over each rank's batch)."""
+
+    def __init__(self, in_channels=1, num_classes=10, hidden=256, size=28):
+        first = nn.Linear(in_channels * size * size, hidden)
+        super().__init__(nn.Flatten(), first, nn.ReLU(inplace=True), nn.Linear(hidden, num_classes))
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with q, k, v and the output projection as four Linears
+    (tensor parallelism splits each of them, and with them the heads)."""
+
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.head_dim = dim // heads
+        # attend(q, k, v): F.scaled_dot_product_attention unless set (context_parallel.py sets
+        # attention over every process's keys and values)
+        self.attend = None
+        self.q, self.v, self.proj = (nn.Linear(dim, dim) for _ in range(3))
+        # No key bias: it adds one constant to a query's scores, which softmax ignores, so its
+        # gradient is zero plus rounding noise (that Adam would scale up to full steps).
+        self.k = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        def heads(y):  # (N, tokens, heads * head_dim) -> (N, heads, tokens, head_dim)
+            # -1: the heads this process holds (all unless a tensor-parallel plan split them)
+            return y.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+
+        attend = self.attend or F.scaled_dot_product_attention
+        out = attend(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)))
+        return self.proj(out.transpose(1, 2).flatten(2))
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: x + attention(norm(x)), then x + MLP(norm(x))."""
+
+    def __init__(self, dim, heads, mlp_ratio=4):
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(dim), Attention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim)
+        hidden = mlp_ratio * dim
+        self.mlp = nn.Sequential(
+            OrderedDict(fc1=nn.Linear(dim, hidden), act=nn.GELU(), fc2=nn.Linear(hidden, dim))
+        )
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class ViT(nn.Module):
+    """A small Vision Transformer (Dosovitskiy et al., 2021): each patch of the image a token,
+    pre-norm blocks (the units that FSDP shards and tensor parallelism splits), the tokens'
+    mean, a linear head."""
+
+    def __init__(
+        self, in_channels=1, num_classes=10, size=28, dim=96, depth=4, heads=4, patch=None
+    ):
+        super().__init__()
+        # patch: (height, width) of a token's pixels; default 4 x 4 tokens
+        ph, pw = patch or (max(1, size // 4),) * 2
+        self.patch_embed = nn.Conv2d(in_channels, dim, (ph, pw), stride=(ph, pw))
+        self.pos = nn.Parameter(0.02 * torch.randn(1, (size // ph) * (size // pw), dim))
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(depth))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, num_classes)
+
+    def forward(self, x):
+        x = self.patch_embed(x).flatten(2).transpose(1, 2) + self.pos  # (N, tokens, dim)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x).mean(1))
+
+
+MODELS = {"cnn": SmallCNN, "resnet18": resnet18_small, "mlp": MLP, "vit": ViT}
+
+
+def build_model(name, in_channels, num_classes, image_size=28):
+    if name in ("mlp", "vit"):  # the models whose shape depends on the image size
+        return MODELS[name](in_channels, num_classes, size=image_size)
+    return MODELS[name](in_channels, num_classes)

@@ -1,0 +1,127 @@
+"""What a training loop needs beside its strategy: the sharded scripts' shared flags,
+the learning-rate schedule and its fast-forward on resume, exact evaluation, and the loss and
+epoch lines (the epoch's record in metrics.jsonl)."""
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from checkpoint import append_metrics
+from common import ArgumentParser, check_flags, fail, print0, reduce_value
+from data import DATASETS
+
+
+def sharded_parser(doc):
+    """The flags of the sharded scripts (fsdp_train.py, tensor_parallel.py, context_parallel.py,
+    expert_parallel.py), said once so that each means the same in all four; each adds its own."""
+    p = ArgumentParser(description=doc.splitlines()[0])
+    add = p.add_argument
+    add("--data", default="fashion-mnist", choices=DATASETS, help="data set")
+    add("--data-dir", default="data", help="root holding the data set (torchvision's layout)")
+    add("--download", action="store_true", help="download the data set if it is missing")
+    add("--epochs", type=int, default=5, help="passes over the training set")
+    add("--lr", type=float, default=3e-3, help="peak AdamW rate per 256 samples of global batch")
+    add("--weight-decay", type=float, default=0.05, help="AdamW's decoupled weight decay")
+    add("--warmup", type=float, default=0.1, help="fraction of all steps spent warming up")
+    add("--seed", type=int, default=0, help="seed for the weights and the shuffling")
+    add("--amp", default="none", choices=["none", "bf16"], help="bf16: compute in bf16")
+    add("--clip-grad", type=float, default=0.0, help="max gradient norm; 0: no clipping")
+    add("--resume", help="checkpoint directory (default: OUTPUT_DIR/checkpoint if any)")
+    add("--eval-only", action="store_true", help="only evaluate the model given by --resume")
+    add("--max-steps", type=int, default=0, help="stop after this many steps; 0: no limit")
+    add("--output-dir", help="where checkpoints, model.pt and metrics.jsonl go; none: nothing")
+    add("--export", help="also write the whole trained model to this file")
+    add("--log-every", type=int, default=50, help="steps between progress and NaN checks")
+    add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if any")
+    add("--backend", choices=["gloo", "nccl"], help="default: nccl on CUDA, else gloo")
+    add("--dist-timeout", type=float, default=300, help="seconds before a lost peer ends the job")
+    return p
+
+
+def check_sharded_args(args, at_least_1=(), not_negative=(), positive=()):
+    """check_flags for a sharded script's flags, the shared ones' bounds added."""
+    at_least_1 = ("epochs", "batch_size", "log_every", *at_least_1)
+    not_negative = ("max_steps", "clip_grad", *not_negative)
+    check_flags(args, at_least_1, not_negative, ("lr", "dist_timeout", *positive))
+    if not 0 <= args.warmup < 1:
+        fail(f"--warmup is a fraction of the run, in [0, 1); got {args.warmup}")
+    if args.eval_only and not args.resume:
+        fail("--eval-only needs --resume DIR (the checkpoint to evaluate)")
+    if hasattr(args, "heads") and args.dim % args.heads:
+        fail(f"--dim {args.dim} is not a whole number of --heads {args.heads}")
+    return args
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, autocast=None):
+    """Loss and accuracy over the whole test set, exact at any world size; all ranks
+    participate. Pass the unwrapped model: DDP's forward broadcasts buffers, a collective
+    that would hang where ranks have different numbers of test batches."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    for images, labels in loader:
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        with autocast or torch.autocast(device.type, enabled=False):
+            logits = model(images)
+        totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
+        totals[1] += (logits.argmax(1) == labels).sum()
+        totals[2] += labels.numel()
+    loss_sum, correct, count = reduce_value(totals).tolist()
+    return loss_sum / count, correct / count
+
+
+def warmup_cosine(optimizer, warmup_fraction, total_steps):
+    """A LambdaLR: linear warm-up to the peak over warmup_fraction of the steps, then cosine
+    decay to zero (ddp_train.py --schedule cosine, model_parallel.py, fsdp_train.py,
+    tensor_parallel.py). Warm-up 0: the first step at the peak."""
+    warmup = max(1, int(warmup_fraction * total_steps))
+
+    def factor(step):
+        done = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * done))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def amp_note(amp, device):
+    """One line, on rank 0, where --amp runs but slowly on this device: fp16 on a CPU, and
+    bf16 on a GPU before Ampere (compute capability 8.0), which emulates it without a word."""
+    if amp == "fp16" and device.type == "cpu":
+        print0("note: --amp fp16 on CPU is slow; bf16 is the CPU's mixed-precision type")
+    if amp == "bf16" and device.type == "cuda" and not torch.version.hip:  # AMD's have bf16
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            gpu = f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
+            print0(f"note: --amp bf16 on {gpu} is emulated and slow; fp16 is its fast type")
+
+
+def fast_forward(scheduler, steps):
+    """Step a new scheduler to where a resumed run stopped (its rate is a function of the
+    step), without PyTorch's warning about a scheduler stepped before its optimizer."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before")
+        for _ in range(steps):
+            scheduler.step()
+
+
+def log_loss(loss_sum, count, epoch, step, lr):
+    """The mean training loss since the epoch began, over all ranks, printed: one all-reduce
+    (all ranks participate). Every rank sees the same NaN, so all stop at the same step,
+    before it can replace a good checkpoint."""
+    total, n = reduce_value(torch.stack([loss_sum, count])).tolist()
+    if not math.isfinite(loss := total / n):
+        fail(f"non-finite loss by step {step}: lower --lr or add --clip-grad")
+    print0(f"epoch {epoch} step {step}: loss {loss:.4f} lr {lr:.3g}")
+    return loss
+
+
+def end_epoch(metrics, record):
+    """The epoch's line on rank 0's terminal, and in metrics.jsonl (if any) before the
+    checkpoint is written: a crash between the two reruns the epoch, whose line is trimmed."""
+    losses = f"train_loss {record['train_loss']:.4f} test_loss {record['test_loss']:.4f}"
+    seconds = f"test_acc {record['test_acc']:.4f} {record['epoch_seconds']:.1f}s"
+    print0(f"epoch {record['epoch']}: {losses} {seconds}")
+    if metrics:
+        append_metrics(metrics, record)
