@@ -13,6 +13,8 @@ import uuid
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
 from common import broadcast_object, fail, first_line, is_main_process, print0, together
 
@@ -108,16 +110,20 @@ def read_weights(path, what="weights file"):
     return state, flags
 
 
+def shapes(model):  # the model's parameter and buffer names and whole shapes (DTensors too)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
 def check_weights(state, model, path):
-    """Stop naming the first name or shape in `state` that does not fit `model` (which may be
-    on the meta device: only its shapes are read)."""
-    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    for key in sorted(want.keys() | state.keys()):
-        if key not in state or key not in want:
-            where = "the model has no" if key in state else "the file has no"
+    """Stop naming the first name or shape in `state` (a state_dict, or names to shapes) that
+    does not fit `model` (which may be on the meta device, sharded: only its shapes are read)."""
+    have, want = {k: tuple(getattr(v, "shape", v)) for k, v in state.items()}, shapes(model)
+    for key in sorted(want.keys() | have.keys()):
+        if key not in have or key not in want:
+            where = "the model has no" if key in have else "the file has no"
             fail(f"{path} does not fit this model: {where} {key!r}")
-        if tuple(state[key].shape) != want[key]:
-            got = f"{tuple(state[key].shape)} in the file, {want[key]} in the model"
+        if have[key] != want[key]:
+            got = f"{have[key]} in the file, {want[key]} in the model"
             fail(f"{path} does not fit this model: {key!r} is {got}")
 
 
@@ -155,13 +161,31 @@ def read_sharded_meta(path):
     return read_torch_file(Path(path, "meta.pt"))  # "does not exist" for another directory
 
 
-def find_checkpoint(args, check):
+def find_checkpoint(args, model):
     """(--resume or OUTPUT_DIR's checkpoint, its meta.pt) on every rank, or (None, None): rank 0
-    finds it and check(path) reads and checks meta.pt (all ranks participate)."""
+    finds it, reads meta.pt and checks that the model saved there has the names and shapes of
+    `model` (all ranks participate). Rank 0 also removes a crashed save's checkpoint.tmp."""
+    if is_main_process() and args.output_dir:
+        shutil.rmtree(Path(args.output_dir, "checkpoint.tmp"), ignore_errors=True)
     path = broadcast_object(args.resume or find_sharded(args.output_dir))
     if not path:
         return None, None
-    return path, broadcast_object(together(lambda: check(path), run=is_main_process()))
+
+    def check():
+        meta = read_sharded_meta(path)
+        if (saved := meta["args"]["model"]) != args.model:
+            fail(f"checkpoint {path} holds a --model {saved}, not {args.model}")
+        check_weights(meta["shapes"], model, path)  # --dim, --heads, --seq-len, ...
+        return meta
+
+    return path, broadcast_object(together(check, run=is_main_process()))
+
+
+def sharded_meta(model, step, steps_per_epoch, global_batch, args, device):
+    """meta.pt: where the run is (the step, the RNG: rank 0's, as nothing in a step draws per
+    rank), what the batches were, the flags, and the model's names and shapes."""
+    meta = dict(step=step, steps_per_epoch=steps_per_epoch, global_batch=global_batch)
+    return dict(meta, rng=rng_state(device), args=vars(args), shapes=shapes(model))
 
 
 @contextlib.contextmanager
@@ -179,10 +203,29 @@ def reading(path):
         fail(f"cannot read checkpoint {path}: {first_line(e)}")
 
 
+class TrainState(Stateful):
+    """The model and its optimizer as torch.distributed.checkpoint saves and loads them: each
+    rank's own pieces (get_state_dict), and after a load, whatever the layout that saved them,
+    the parts that make up this rank's pieces put in place (set_state_dict)."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self):
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        return dict(model=model, optimizer=optimizer)
+
+    def load_state_dict(self, state):
+        pieces = dict(model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(self.model, self.optimizer, **pieces)
+
+
 def resume_step(args, optimizer, meta, path, batches, device):
-    """After the pieces are loaded: check that the schedule can go on, keep this run's optimizer
-    settings (--lr, ...) beside the saved moments, and return the step to go on after.
-    `batches`: this run's (global batch, steps per epoch)."""
+    """After the pieces are loaded (if any: else 0): check that the schedule can go on, keep
+    this run's optimizer settings (--lr, ...) beside the saved moments, and return the step to
+    go on after. `batches`: this run's (global batch, steps per epoch)."""
+    if path is None or args.eval_only:
+        return 0
     saved = meta["args"]
     changed = [k for k in ("epochs", "warmup") if saved[k] != getattr(args, k)]
     if changed:  # the schedule is a function of these: it cannot go on where it was
@@ -203,18 +246,10 @@ def resume_step(args, optimizer, meta, path, batches, device):
     return step
 
 
-def sharded_tmp(out):
-    """OUT/checkpoint.tmp, where every rank writes its pieces: a crashed save's is removed by
-    rank 0 first (DCP's save begins with a collective, so no rank writes before that)."""
-    tmp = Path(out, "checkpoint.tmp")
-    if is_main_process():
-        shutil.rmtree(tmp, ignore_errors=True)
-    return tmp
-
-
 def publish_sharded(out, meta):
     """Once every rank's pieces are in OUT/checkpoint.tmp: rank 0 adds meta.pt and renames it
-    to checkpoint; a crash at any point leaves the previous one whole."""
+    to checkpoint; a crash at any point leaves the previous one whole (and the next run's
+    find_checkpoint removes the half-written checkpoint.tmp)."""
     tmp, final, old = (Path(out, n) for n in ("checkpoint.tmp", "checkpoint", "checkpoint.old"))
     if is_main_process():
         atomic_write(tmp / "meta.pt", lambda path: torch.save(meta, path))
@@ -254,6 +289,12 @@ def check_output_dir(path):
     except OSError as e:
         fail(f"output directory {path} is not writable: {e.strerror or e}")
     return probe.parent
+
+
+def sharded_output(path):
+    """OUTPUT_DIR (a Path, or None without one), created and proven writable by every rank, as
+    each writes its own pieces there: one line on every rank if one cannot (all participate)."""
+    return together(lambda: path and check_output_dir(path))
 
 
 def append_metrics(path, record):

@@ -1,31 +1,27 @@
-"""Context parallelism: each sample's sequence of tokens split over CP processes, which compute
-the sample together; with --dp D, D such groups side by side (2-D), all sharded by FSDP.
+"""Context parallelism: each sequence's tokens split over CP processes, which compute it
+together; with --dp D, D such groups side by side (2-D), all sharded by FSDP.
 
 Data, tensor and pipeline parallelism split the batch, the weights and the layers; none helps
-when one sample's activations are too large for a device, as with long contexts. Here each
-process holds 1/CP of every sample's tokens from the patch embedding on: norms, MLPs and the
-residual stream are per token and stay local. Only attention needs every token: each query
-must see every key and value, brought in one of two ways (--cp-impl):
+when one sequence's activations are too large for a device (long contexts). Here each process
+holds 1/CP of every sequence's tokens: embeddings, norms, MLPs and the loss are per token and
+stay local. Only attention needs the other tokens' keys and values, brought by --cp-impl:
+    ring       K/V blocks passed around a ring while each is computed, the partial results
+               merged by their log-sum-exp (Ring Attention, Liu et al., 2023)
     allgather  K and V all-gathered before attention (as in Llama 3's long-context training)
-    ring       K/V blocks passed around a ring while each block is computed, the partial
-               results merged by their log-sum-exp (Ring Attention, Liu et al., 2023)
-
-    4 processes, --dp 2:  mesh [[0, 1],    each row a context-parallel group (one batch,
-                                [2, 3]]    each process half of every image's rows)
-
-The model is models.py's ViT made long: each image row one token (28, not 16 patches), so
-the sequence splits over 2, 4, 7, 14 or 28 processes with no padding.
+The model is a causal GPT on text (models.py's; --model vit: the ViT, each image row a token).
+Causal, a process whose tokens come late sees every key, one whose tokens come early almost
+none: --cp-balance zigzag (the default) gives each process an early and a late chunk.
 
 Launch (--output-dir: one directory for all processes, on several nodes a shared one):
     python context_parallel.py                                     # one process, unsplit
-    torchrun --standalone --nproc_per_node=2 context_parallel.py   # CP degree 2
+    torchrun --standalone --nproc_per_node=2 context_parallel.py   # CP 2: the GPT on text
     torchrun --standalone --nproc_per_node=4 context_parallel.py --dp 2   # 2 x 2
     torchrun --nnodes=2 --nproc_per_node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
         --rdzv-id=myjob context_parallel.py --dp 2   # on each node; CP 4 inside it
+    torchrun --standalone --nproc_per_node=2 context_parallel.py --model vit --data fashion-mnist
 
-Checkpoints as in fsdp_train.py: every process writes its shards, a rerun resumes at any CP
-and DP degree, model.pt holds the whole model. --batch-size is per CP group (its processes
-share each batch); --lr is the peak AdamW rate per 256 samples of global batch.
+Checkpoints as in fsdp_train.py (resumed at any CP and DP degree; model.pt the whole model).
+--batch-size is per CP group; --lr the peak AdamW rate per 256 samples of global batch.
 """
 
 import functools
@@ -39,44 +35,29 @@ import torch.distributed._functional_collectives as funcol
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from checkpoint import (
-    check_output_dir,
+    TrainState,
     export_whole,
     find_checkpoint,
     initial_state,
     publish_sharded,
-    read_sharded_meta,
     reading,
     resume_step,
-    rng_state,
-    sharded_tmp,
+    sharded_meta,
+    sharded_output,
     trim_metrics,
 )
-from common import (
-    cleanup,
-    fail,
-    init_distributed_mode,
-    peer_failure,
-    print0,
-    require_torch,
-    together,
-)
+from common import cleanup, fail, init_distributed_mode, peer_failure, print0, require_torch
 from data import load_datasets, pad_batches, shard_loaders
-from models import ViT
+from models import GPT, ViT, generate
 from training import (
     check_sharded_args,
     end_epoch,
     evaluate,
-    fast_forward,
     log_loss,
     sharded_parser,
     warmup_cosine,
@@ -90,15 +71,37 @@ all_gather = (
 
 def get_args(argv=None):
     p = sharded_parser(__doc__)  # --data, --epochs, --lr, ..., --dist-timeout: training.py's
+    p.set_defaults(data="text")  # context parallelism is for long sequences
     add = p.add_argument
+    add("--model", default="gpt", choices=["gpt", "vit"], help="gpt: causal, on text")
     add("--dp", type=int, default=1, help="data-parallel degree; CP: processes / dp")
     add("--cp", type=int, help="context-parallel degree (default: processes / --dp)")
     add("--cp-impl", default="ring", choices=["ring", "allgather"], help="how K/V travel")
-    add("--dim", type=int, default=96, help="the ViT's width")
-    add("--heads", type=int, default=4, help="the ViT's attention heads")
-    add("--batch-size", type=int, default=128, help="samples per CP group per step")
+    balance = "which tokens each process holds (default: zigzag for gpt, contiguous for vit)"
+    add("--cp-balance", choices=["zigzag", "contiguous"], help=balance)
+    add("--dim", type=int, default=96, help="the model's width")
+    add("--heads", type=int, default=4, help="the model's attention heads")
+    add("--batch-size", type=int, help="samples per CP group per step (default 128; text: 32)")
     args = p.parse_args(argv)
-    return check_sharded_args(args, at_least_1=("dp", "cp", "dim", "heads"))
+    args.cp_balance = args.cp_balance or ("zigzag" if args.model == "gpt" else "contiguous")
+    return check_sharded_args(args, ("dp", "cp", "dim", "heads"), batch=(128, 32))
+
+
+def layout(tokens, cp, balance):
+    """Where each process's tokens sit in a sequence: per process, its chunks as (start, end).
+    contiguous: process r holds the r-th of CP chunks. Under a causal mask the last process's
+    queries see every key and the first's almost none: the slowest sets the pace. zigzag
+    (Megatron-Core's load balancing): the sequence cut into 2 CP chunks, process r holds
+    chunks r and 2 CP - 1 - r, one early and one late: the same attention work for each."""
+    if balance == "contiguous":
+        n = tokens // cp
+        return [[(r * n, (r + 1) * n)] for r in range(cp)]
+    n = tokens // (2 * cp)
+    return [[(r * n, (r + 1) * n), ((2 * cp - 1 - r) * n, (2 * cp - r) * n)] for r in range(cp)]
+
+
+def own(x, chunks, dim):  # this process's tokens of x along dim, chunk after chunk
+    return torch.cat([x.narrow(dim, start, end - start) for start, end in chunks], dim)
 
 
 # What each way costs, per attention layer, with CP processes, a batch of N, T tokens in all:
@@ -106,12 +109,14 @@ def get_args(argv=None):
 #     numbers, beside its 1/CP of the rest; it receives (CP - 1)/CP of them in forward and
 #     sends as much of their gradients in backward (a reduce-scatter). Nothing overlaps: the
 #     all-gather must finish before attention starts. Simple, and cheap while K and V fit.
+#     Causal: a mask from the tokens' true positions; the masked half is computed anyway.
 #   ring: every process holds its own K/V block and one in flight, 2 x 2 N T dim / CP numbers,
 #     and saves only its own for backward. Forward sends CP - 1 blocks to the next process,
 #     each while the previous one is computed; backward sends the K/V blocks again (CP - 1)
 #     and their gradient accumulators once around the whole ring (CP), about 3x forward's bytes.
 #     Memory stays 1/CP at any length; the sends hide behind compute when a block's attention
-#     takes longer than its transfer.
+#     takes longer than its transfer. Causal: a block of keys after the queries is skipped,
+#     not computed (about half the work), the one at the queries' own place is masked.
 def ring_pass(tensor, group):
     """Start sending tensor to the next process of the ring and receiving the previous one's
     (one send, one receive, all processes of the group at once); returns (received, requests)."""
@@ -129,49 +134,79 @@ def wait(requests):
         request.wait()
 
 
+def blocks(chunks, mine, source, causal):
+    """What this process's queries compute with the K/V block from process `source`, per query
+    chunk: (its rows, the block's columns it sees, whether the last of those is its own place:
+    the diagonal, masked). A causal query chunk sees the key chunks before it, its own under
+    a triangular mask, none after: those are skipped. Chunks are sorted, so it sees a prefix."""
+    n = chunks[0][0][1] - chunks[0][0][0]  # tokens per chunk
+    for i, (start, _) in enumerate(chunks[mine]):
+        seen = [s for s, _ in chunks[source] if not causal or s <= start]
+        if seen:
+            yield slice(i * n, (i + 1) * n), slice(0, len(seen) * n), causal and seen[-1] == start
+
+
 class RingAttention(torch.autograd.Function):
     """softmax(q k^T / sqrt(d)) v over every process's keys and values, one block at a time.
     PyTorch's CPU attention kernels do not return the log-sum-exp that merging needs, so the
-    math is written out (in fp32), as in picotron's context_parallel.py."""
+    math is written out (in fp32), as in picotron's context_parallel.py. K and V travel in
+    their own dtype (bf16 under --amp bf16: half the bytes); scores, softmax statistics and
+    the merge are fp32, as is the gradient accumulator that goes round in backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group):
-        scale, size = q.shape[-1] ** -0.5, dist.get_world_size(group)
+    def forward(ctx, q, k, v, group, chunks, causal):
+        scale, size, me = q.shape[-1] ** -0.5, dist.get_world_size(group), dist.get_rank(group)
+        n = chunks[0][0][1] - chunks[0][0][0]
+        future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)  # key after query
         with torch.autocast(q.device.type, enabled=False):
-            qf, kv = q.float(), torch.stack([k, v]).float()  # kv: the block that travels
+            qf, kv = q.float(), torch.stack([k, v])  # kv: the block that travels
             out, lse = torch.zeros_like(qf), torch.full_like(qf[..., :1], -math.inf)
             for step in range(size):
                 if step + 1 < size:  # pass this block on while computing with it
                     next_kv, requests = ring_pass(kv, group)
-                scores = qf @ kv[0].transpose(-2, -1) * scale
-                block_lse = scores.logsumexp(-1, keepdim=True)  # log of softmax's denominator
-                block_out = torch.exp(scores - block_lse) @ kv[1]  # softmax over this block
-                # Merged: each part weighted by its share of the denominator over both.
-                new_lse = torch.logaddexp(lse, block_lse)
-                out = out * (lse - new_lse).exp() + block_out * (block_lse - new_lse).exp()
-                lse = new_lse
+                for rows, cols, diagonal in blocks(chunks, me, (me - step) % size, causal):
+                    scores = qf[..., rows, :] @ kv[0, ..., cols, :].float().transpose(-2, -1)
+                    scores *= scale
+                    if diagonal:  # its last n columns are the chunk's own keys
+                        scores[..., -n:].masked_fill_(future, -math.inf)
+                    block_lse = scores.logsumexp(-1, keepdim=True)  # log softmax's denominator
+                    block_out = torch.exp(scores - block_lse) @ kv[1, ..., cols, :].float()
+                    # Merged: each part weighted by its share of the denominator over both.
+                    old = lse[..., rows, :]
+                    new = torch.logaddexp(old, block_lse)
+                    out[..., rows, :] *= (old - new).exp()
+                    out[..., rows, :] += block_out * (block_lse - new).exp()
+                    lse[..., rows, :] = new
                 if step + 1 < size:
                     wait(requests)
                     kv = next_kv
-        ctx.save_for_backward(q, k, v, out, lse)  # this process's K/V only: 1/CP of them
-        ctx.group, ctx.scale = group, scale
+        ctx.save_for_backward(q, k, v, out, lse, future)  # this process's K/V only: 1/CP
+        ctx.group, ctx.scale, ctx.chunks, ctx.causal = group, scale, chunks, causal
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, scale, size = ctx.group, ctx.scale, dist.get_world_size(ctx.group)
+        q, k, v, out, lse, future = ctx.saved_tensors
+        group, scale, chunks, causal = ctx.group, ctx.scale, ctx.chunks, ctx.causal
+        size, me, n = dist.get_world_size(group), dist.get_rank(group), len(future)
         qf, dout = q.float(), dout.float()
         delta = (dout * out).sum(-1, keepdim=True)  # softmax's backward: sum_j P_ij dP_ij
-        dq, kv = torch.zeros_like(qf), torch.stack([k, v]).float()
+        dq, kv = torch.zeros_like(qf), torch.stack([k, v])
         dkv, dkv_requests = None, []
         for step in range(size):
             if step + 1 < size:  # the K/V blocks go round again, as in forward
                 next_kv, kv_requests = ring_pass(kv, group)
-            p = torch.exp(qf @ kv[0].transpose(-2, -1) * scale - lse)  # softmax, from the lse
-            ds = p * (dout @ kv[1].transpose(-2, -1) - delta)
-            dq += ds @ kv[0] * scale
-            grads = torch.stack([ds.transpose(-2, -1) @ qf * scale, p.transpose(-2, -1) @ dout])
+            grads = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            for rows, cols, diagonal in blocks(chunks, me, (me - step) % size, causal):
+                keys, values = kv[0, ..., cols, :].float(), kv[1, ..., cols, :].float()
+                scores = qf[..., rows, :] @ keys.transpose(-2, -1) * scale
+                if diagonal:
+                    scores[..., -n:].masked_fill_(future, -math.inf)
+                p = torch.exp(scores - lse[..., rows, :])  # softmax, from the lse
+                ds = p * (dout[..., rows, :] @ values.transpose(-2, -1) - delta[..., rows, :])
+                dq[..., rows, :] += ds @ keys * scale
+                grads[0, ..., cols, :] += ds.transpose(-2, -1) @ qf[..., rows, :] * scale
+                grads[1, ..., cols, :] += p.transpose(-2, -1) @ dout[..., rows, :]
             if dkv is not None:  # this block's gradient from the processes before this one
                 wait(dkv_requests)
                 grads += dkv
@@ -181,54 +216,65 @@ class RingAttention(torch.autograd.Function):
                 wait(kv_requests)
                 kv = next_kv
         wait(dkv_requests)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
-def allgather_attention(q, k, v, group):
-    """K and V of every process, in token order, then attention as on one process. The
-    autograd all-gather's backward reduce-scatters their gradients back to their owners."""
+def allgather_attention(q, k, v, group, chunks, causal):
+    """K and V of every process, then attention as on one process; causal: a query sees the
+    keys at or before its position, by a mask from every token's true position. The autograd
+    all-gather's backward reduce-scatters their gradients back to their owners."""
     kv = torch.stack([k, v]).contiguous()  # one collective for both
-    kv = all_gather(kv, gather_dim=3, group=group)
-    return F.scaled_dot_product_attention(q, kv[0], kv[1])
+    kv = all_gather(kv, gather_dim=3, group=group)  # in rank order: chunks[0], chunks[1], ...
+    mask = None
+    if causal:  # True where a query may attend: the keys at or before its position
+        place = torch.arange(sum(e - s for ranks in chunks for s, e in ranks), device=q.device)
+        keys = torch.cat([own(place, ranks, 0) for ranks in chunks])  # as gathered: rank order
+        mask = keys[None, :] <= own(place, chunks[dist.get_rank(group)], 0)[:, None]
+    return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask)
+
+
+def split_attention(model, group, impl, chunks, causal):
+    """Every block's attention over the whole sequence, each process holding its `chunks`."""
+    attend = RingAttention.apply if impl == "ring" else allgather_attention
+    for block in model.blocks:  # group by position: apply() takes no keywords in 2.9
+        block.attn.attend = lambda q, k, v: attend(q, k, v, group, chunks, causal)
 
 
 class LongViT(ViT):
     """models.py's ViT with each image row a token: 28 tokens of 28 pixels, not 16 patches
-    of 7 x 7. With a context-parallel group, each process runs its own rows only."""
+    of 7 x 7. With a context-parallel group, each process runs its own rows (`mine`: their
+    (start, end) chunks) and an all-gather puts the mean over every row together."""
 
-    def __init__(self, in_channels, num_classes, size, dim, heads, group=None, impl="ring"):
+    def __init__(self, in_channels, num_classes, size, dim, heads, group=None, mine=None):
         super().__init__(in_channels, num_classes, size, dim, heads=heads, patch=(1, size))
-        self.group, self.cp, self.rank = group, 1, 0
-        if group is not None:
-            self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
-            attend = RingAttention.apply if impl == "ring" else allgather_attention
-            for block in self.blocks:  # group by position: apply() takes no keywords in 2.9
-                block.attn.attend = lambda q, k, v: attend(q, k, v, group)
+        self.group, self.mine = group, mine or [(0, size)]
 
-    def forward(self, images):
-        n = self.pos.shape[1] // self.cp  # tokens (rows) per process, with their positions
-        rows = slice(self.rank * n, (self.rank + 1) * n)
-        x = self.patch_embed(images[:, :, rows]).flatten(2).transpose(1, 2) + self.pos[:, rows]
+    def forward(self, rows):  # this process's rows of each image
+        x = self.patch_embed(rows).flatten(2).transpose(1, 2) + own(self.pos, self.mine, 1)
         for block in self.blocks:
             x = block(x)  # per token, but for attention (see RingAttention above)
         x = self.norm(x).sum(1)  # this process's part of the tokens' mean
-        if self.cp > 1:
+        if self.group:
             # The whole mean on every process. Every process of the group then computes the
             # same loss; the all-gather's backward sums their CP equal gradients for these
             # tokens, and FSDP's mean over the mesh divides by CP again.
             x = all_gather(x, gather_dim=0, group=self.group)
-            x = x.view(self.cp, -1, x.shape[-1]).sum(0)
+            x = x.view(dist.get_world_size(self.group), -1, x.shape[-1]).sum(0)
         return self.head(x / self.pos.shape[1])
 
 
-def read_meta(path, args, tokens):
-    """Rank 0: the checkpoint's step, RNG and flags, after checking that it is one of ours."""
-    saved = (meta := read_sharded_meta(path))["args"]
-    shape = (saved.get("model", "vit"), saved.get("tokens", 16), saved["dim"], saved["heads"])
-    if shape != (want := ("vit", tokens, args.dim, args.heads)):  # a 16-token ViT's pos
-        held = "a {} of {} tokens, --dim {} --heads {}".format  # does not fit
-        fail(f"checkpoint {path} holds {held(*shape)}; this is {held(*want)}")
-    return meta
+class LongGPT(GPT):
+    """models.py's GPT, each process running its own tokens (`mine`) at their positions."""
+
+    def __init__(self, seq_len, dim, heads, mine=None):
+        super().__init__(256, seq_len, dim, heads=heads)
+        self.mine = mine or [(0, seq_len)]
+
+    def forward(self, tokens):  # this process's tokens -> their next bytes' logits
+        x = self.embed(tokens) + own(self.pos, self.mine, 1)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
 
 
 def main(argv=None):
@@ -245,10 +291,14 @@ def main(argv=None):
             fail(f"--dp {dp} x --cp {cp} makes a mesh of {dp * cp} processes; {world} started")
         # Data: a CP group shares each batch; the dp rows of the mesh take disjoint 1/dp.
         train_set, test_set, num_classes, in_channels = load_datasets(
-            args.data, args.data_dir, args.download, None, info.local_rank
+            args.data, args.data_dir, args.download, None, info.local_rank, args.seq_len
         )
-        if (tokens := train_set[0][0].shape[-2]) % cp:  # rows: even pieces, no padding
-            fail(f"CP degree {cp} must divide the {tokens} tokens (the images' rows)")
+        text = args.model == "gpt"
+        tokens = args.seq_len if text else train_set[0][0].shape[-2]  # bytes, or image rows
+        pieces = cp * (2 if args.cp_balance == "zigzag" else 1)  # even chunks, no padding
+        if tokens % pieces:
+            how = f"--cp-balance {args.cp_balance} cuts the {tokens} tokens into {pieces} chunks"
+            fail(f"CP degree {cp}: {how}; they do not divide evenly")
         # The mesh: CP groups of cp consecutive ranks, one node's if cp divides its processes.
         mesh = None
         if info.distributed:
@@ -261,10 +311,21 @@ def main(argv=None):
         steps_per_epoch, global_batch = len(train_loader), args.batch_size * dp
         total_steps = args.epochs * steps_per_epoch
 
+        # Which tokens of each sample this process holds, with their positions and labels.
         group = mesh["cp"].get_group() if cp > 1 else None
-        # tokens: the images' rows, and their size (square)
-        build = functools.partial(LongViT, in_channels, num_classes, tokens, args.dim, args.heads)
-        build = functools.partial(build, group, args.cp_impl)
+        chunks = layout(tokens, cp, args.cp_balance)
+        mine = chunks[mesh["cp"].get_local_rank() if mesh else 0]
+
+        def split(inputs, labels):  # this process's tokens of the batch (text: and labels)
+            if text:
+                return own(inputs, mine, 1), own(labels, mine, 1)
+            return own(inputs, mine, 2), labels  # a ViT's tokens are the images' rows
+
+        if text:
+            build = functools.partial(LongGPT, tokens, args.dim, args.heads, mine)
+        else:
+            build = functools.partial(LongViT, in_channels, num_classes, tokens, args.dim)
+            build = functools.partial(build, args.heads, group, mine)
 
         def shard(model):
             if not info.distributed:
@@ -283,43 +344,40 @@ def main(argv=None):
         # then memory for each rank's pieces, filled from rank 0's seeded CPU copy.
         with torch.device("meta"):
             model = build()
-        state = initial_state(build, args.seed)  # rank 0: the whole model; None elsewhere
+        initial = initial_state(build, args.seed)  # rank 0: the whole model; None elsewhere
+        if group:  # attention over every process's keys and values
+            split_attention(model, group, args.cp_impl, chunks, causal=text)
         shard(model)
         model.to_empty(device=device)
         fill = StateDictOptions(full_state_dict=True, broadcast_from_rank0=info.distributed)
-        set_model_state_dict(model, state or {}, options=fill)  # all ranks participate
+        set_model_state_dict(model, initial or {}, options=fill)  # all ranks participate
         use_autocast = args.amp == "bf16" and not info.distributed  # FSDP gives bf16 itself
         autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, use_autocast)
 
-        # Every rank writes its own shards into the output directory: every rank checks it.
-        out = together(lambda: args.output_dir and check_output_dir(args.output_dir))
+        out = sharded_output(args.output_dir)  # every rank writes there: every rank checks
 
         lr = args.lr * global_batch / 256
         optimizer = torch.optim.AdamW(model.parameters(), lr, weight_decay=args.weight_decay)
 
         # Resume, as in fsdp_train.py: rank 0 finds and checks the checkpoint; every rank reads
         # the parts of the saved pieces that make up its own, on any mesh (all participate).
-        resume, meta = find_checkpoint(args, functools.partial(read_meta, args=args, tokens=tokens))
-        step = 0
-        if resume:
-            model_state, optim_state = get_state_dict(model, optimizer)  # to be filled in
+        state = dict(train=TrainState(model, optimizer))  # what DCP saves and loads
+        resume, meta = find_checkpoint(args, model)
+        if resume:  # each rank reads the parts of the saved pieces that make up its own
             with reading(resume):
-                dcp.load(dict(model=model_state, optimizer=optim_state), checkpoint_id=resume)
-            loaded = dict(model_state_dict=model_state, optim_state_dict=optim_state)
-            set_state_dict(model, optimizer, **loaded)
-        if resume and not args.eval_only:
-            batches = (global_batch, steps_per_epoch)
-            step = resume_step(args, optimizer, meta, resume, batches, device)
+                dcp.load(state, checkpoint_id=resume)
+        batches = (global_batch, steps_per_epoch)
+        step = resume_step(args, optimizer, meta, resume, batches, device)
 
-        scheduler = warmup_cosine(optimizer, args.warmup, total_steps)  # warm-up, cosine decay
-        fast_forward(scheduler, step)  # the rate is a function of the step alone
+        # Warm-up, then cosine decay; from the step resumed at (a function of the step alone).
+        scheduler = warmup_cosine(optimizer, args.warmup, total_steps, step)
 
         @torch.no_grad()
         def evaluate_all():
             """Exact: a rank with fewer test batches runs empty ones (FSDP's forward is
             collective); evaluate() sums each CP group's totals cp times: the ratios are exact."""
-            padded = pad_batches(test_loader, test_set[0][0].shape, device)
-            return evaluate(model, padded, device, autocast())
+            padded = pad_batches(test_loader, test_set[0], device)
+            return evaluate(model, (split(x, y) for x, y in padded), device, autocast())
 
         if args.eval_only:
             loss, acc = evaluate_all()
@@ -327,13 +385,9 @@ def main(argv=None):
             return
 
         def save(step):  # all ranks participate
-            meta = dict(step=step, steps_per_epoch=steps_per_epoch, rng=rng_state(device))
-            flags = dict(vars(args), model="vit", tokens=tokens)
-            meta.update(global_batch=global_batch, args=flags)
+            meta = sharded_meta(model, step, steps_per_epoch, global_batch, args, device)
             # Every rank writes its pieces; rank 0 then publishes them (see fsdp_train.py).
-            model_state, optim_state = get_state_dict(model, optimizer)
-            state = dict(model=model_state, optimizer=optim_state)
-            dcp.save(state, checkpoint_id=sharded_tmp(out))
+            dcp.save(state, checkpoint_id=out / "checkpoint.tmp")
             publish_sharded(out, meta)
 
         start_epoch = step // steps_per_epoch
@@ -341,8 +395,8 @@ def main(argv=None):
         if metrics and not (args.max_steps and step >= args.max_steps):
             trim_metrics(metrics, start_epoch)  # epochs that run again lose their old lines
         size = f"global batch {global_batch}, peak lr {lr:.3g}, {steps_per_epoch} steps/epoch"
-        how = f"{dp} x {cp} (dp x cp) process(es), {args.cp_impl}, on {device.type}"
-        print0(f"ViT of {tokens} tokens on {args.data}: {how}, {size}")
+        how = f"{dp} x {cp} (dp x cp) process(es), {args.cp_impl}, {args.cp_balance}"
+        print0(f"{args.model} of {tokens} tokens on {args.data}: {how}, {device.type}, {size}")
         if start_epoch >= args.epochs:
             print0(f"{resume} already holds all {args.epochs} epochs: nothing to train")
         for epoch in range(start_epoch, args.epochs):
@@ -357,11 +411,16 @@ def main(argv=None):
             t0 = time.perf_counter()
             # A mid-epoch resume skips the batches done: the order is a function of the epoch.
             for images, labels in itertools.islice(train_loader, epoch_step, None):
-                images = images.to(device, non_blocking=True)
-                labels = labels.to(device, non_blocking=True)
+                images, labels = split(images.to(device), labels.to(device))
                 with autocast():
-                    logits = model(images)  # whole on every process of the CP group
-                loss = F.cross_entropy(logits.float(), labels, label_smoothing=0.1)
+                    logits = model(images)  # gpt: this process's tokens; vit: whole
+                # gpt: the loss per token of this process's own tokens, their summed loss over
+                # the global batch's token count, times world as FSDP averages the gradients
+                # over the world processes: the mean over its own (each holds as many). vit:
+                # every process of a CP group the same loss, of whole images (see LongViT).
+                smooth = 0.0 if text else 0.1
+                logits, labels = logits.flatten(0, -2).float(), labels.flatten()
+                loss = F.cross_entropy(logits, labels, label_smoothing=smooth)
                 loss.backward()  # FSDP: each gradient averaged over all dp x cp processes
                 loss_sum += loss.detach() * labels.numel()
                 count += labels.numel()
@@ -387,9 +446,11 @@ def main(argv=None):
             if out:
                 save(step)  # all ranks participate
 
-        # The whole model in one file that loads into models.ViT(patch=(1, 28)) without
-        # DTensor (all ranks participate).
-        export_whole(model, filter(None, [out and out / "model.pt", args.export]))
+        # The whole model in one file that loads into models.GPT or models.ViT(patch=(1, 28))
+        # without DTensor (all ranks participate); a sample of what the GPT learnt.
+        whole = export_whole(model, filter(None, [out and out / "model.pt", args.export]))
+        if text and whole:  # rank 0
+            print0("sample:", generate(GPT(256, tokens, args.dim, heads=args.heads), whole))
         if info.distributed:
             dist.barrier()  # leave together (all ranks participate): rank 0 hosts the store
     except RuntimeError as e:

@@ -4,6 +4,7 @@ data-parallel group's shard of the training set, and the exact evaluation shards
 sample once over all ranks). Put your own data set here, in load_datasets' place."""
 
 import itertools
+import os
 from pathlib import Path
 
 import torch
@@ -13,7 +14,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_co
 
 from common import fail, first_line, get_world_size, once_per_node
 
-DATASETS = ("fashion-mnist", "mnist", "cifar10", "imagefolder", "synthetic")
+DATASETS = ("fashion-mnist", "mnist", "cifar10", "imagefolder", "synthetic")  # images
+TEXT = "text"  # bytes: the sharded scripts' language-model data
 
 
 class InMemoryDataset(Dataset):
@@ -111,11 +113,15 @@ def _load(name, data_dir, download, image_size):
     return train, test, len(classes), train.images.shape[1]
 
 
-def load_datasets(name, data_dir, download=False, image_size=None, local_rank=0):
+def load_datasets(name, data_dir, download=False, image_size=None, local_rank=0, seq_len=256):
     """(train_set, test_set, num_classes, in_channels); all ranks participate. ImageFolder, maybe
-    too large for memory, is read per sample; the others are decoded once into memory."""
+    too large for memory, is read per sample; the others are decoded once into memory. Text:
+    windows of seq_len bytes, 256 classes (the next byte), no channels."""
+    if name == TEXT:
+        return *load_text(data_dir, seq_len), 256, None
     if name not in DATASETS:
         fail(f"unknown data set {name!r}; choose from {', '.join(DATASETS)}")
+    data_dir = data_dir or "data"
     if download and get_world_size() > 1 and name not in ("imagefolder", "synthetic"):
         # torchvision downloads into the final file names.
         loaded = once_per_node(lambda: _load(name, data_dir, True, image_size), local_rank)
@@ -145,11 +151,63 @@ def eval_shard(dataset, rank, world_size):
     return torch.utils.data.Subset(dataset, range(rank, len(dataset), world_size))
 
 
-def pad_batches(loader, image_shape, device):
-    """loader's batches, then empty ones up to as many as any rank has: a sharded model's
-    forward runs collectives, so every rank must run it as often (all ranks participate)."""
+def pad_batches(loader, sample, device):
+    """loader's batches, then empty ones (of `sample`'s shapes and types) up to as many as any
+    rank has: a sharded model's forward runs collectives, so every rank must run it as often
+    (all ranks participate)."""
     batches = torch.tensor(len(loader), device=device)
     if get_world_size() > 1:
         dist.all_reduce(batches, dist.ReduceOp.MAX)
-    empty = (torch.zeros(0, *image_shape), torch.zeros(0, dtype=torch.long))
+    empty = tuple(torch.as_tensor(t).new_zeros(0, *torch.as_tensor(t).shape) for t in sample)
     return itertools.chain(loader, [empty] * (int(batches) - len(loader)))
+
+
+# Text: bytes, a vocabulary of 256 (no tokenizer to build or ship) ---------------------------
+def stdlib_sources():
+    """The default corpus: the Python standard library's own top-level modules (Lib/*.py), in
+    sorted order: text that is there wherever Python is, network or not (Python 3.11: 168
+    files, 4.7 MB)."""
+    return sorted(Path(os.__file__).parent.glob("*.py"))
+
+
+class TextWindows(Dataset):
+    """Windows of seq_len bytes one after another through `text` (uint8): window i is bytes
+    i * seq_len to (i + 1) * seq_len - 1, each position's label the byte after it."""
+
+    def __init__(self, text, seq_len):
+        n = (len(text) - 1) // seq_len  # each window needs one byte more: its last label
+        self.windows = text[: n * seq_len + 1].unfold(0, seq_len + 1, seq_len)  # a view
+
+    def __len__(self):
+        return len(self.windows)
+
+    def __getitem__(self, i):
+        window = self.windows[i].long()
+        return window[:-1], window[1:]
+
+    def __getitems__(self, indices):  # the DataLoader's batch at once, as InMemoryDataset's
+        windows = self.windows[indices].long()
+        return windows[:, :-1], windows[:, 1:]
+
+
+def load_text(path, seq_len):
+    """(train, validation) windows of the bytes of PATH (a UTF-8 file, or every file of a
+    folder in sorted order) or, with no path, of stdlib_sources(). The validation set is a
+    fixed held-out tail: the last 5% of the bytes."""
+    files = stdlib_sources() if path is None else [Path(path)]
+    if path is not None and Path(path).is_dir():
+        files = sorted(p for p in Path(path).rglob("*") if p.is_file())
+    if path is not None and not Path(path).exists():
+        fail(f"text: {path} does not exist (a UTF-8 file or a folder of them; none: stdlib)")
+    chunks = []
+    for file in files:
+        chunks.append(file.read_bytes())
+        try:
+            chunks[-1].decode("utf-8")
+        except UnicodeDecodeError as e:
+            fail(f"text: {file} is not UTF-8 text ({e.reason} at byte {e.start})")
+    text = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+    held = max(len(text) // 20, seq_len + 1)
+    if len(text) - held < seq_len + 1:
+        fail(f"text: {len(text)} bytes in {path} are too few for windows of --seq-len {seq_len}")
+    return TextWindows(text[:-held], seq_len), TextWindows(text[-held:], seq_len)

@@ -1,4 +1,4 @@
-"""Expert parallelism: a mixture-of-experts ViT whose experts are spread over the processes;
+"""Expert parallelism: a mixture-of-experts model whose experts are spread over the processes;
 each token goes to its experts' process and comes back, two all-to-all exchanges per layer.
 
 A mixture of experts (Shazeer et al., 2017; Fedus et al., 2021) replaces each block's MLP by E
@@ -18,10 +18,10 @@ Launch (--output-dir: one directory for all processes, on several nodes a shared
     torchrun --standalone --nproc_per_node=4 expert_parallel.py --ep 2   # 2 replicas of EP 2
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
         --rdzv-id=myjob expert_parallel.py --experts 16   # on each node; EP 16, 1 expert each
+    torchrun --standalone --nproc_per_node=2 expert_parallel.py --data text --model gpt
 
-Checkpoints as in fsdp_train.py: every process writes its pieces, a rerun resumes at any EP
-degree (the experts re-placed), model.pt holds the whole model. --batch-size is per process;
---lr is the peak AdamW rate per 256 samples of global batch.
+Checkpoints as in fsdp_train.py (resumed at any EP degree, the experts re-placed; model.pt the
+whole model). --batch-size is per process; --lr the peak AdamW rate per 256 samples.
 """
 
 import itertools
@@ -35,26 +35,20 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_to_all_single_autograd
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from checkpoint import (
-    check_output_dir,
+    TrainState,
     export_whole,
     find_checkpoint,
     initial_state,
     publish_sharded,
-    read_sharded_meta,
     reading,
     resume_step,
-    rng_state,
-    sharded_tmp,
+    sharded_meta,
+    sharded_output,
     trim_metrics,
 )
 from common import (
@@ -66,15 +60,13 @@ from common import (
     print0,
     reduce_value,
     require_torch,
-    together,
 )
 from data import load_datasets, pad_batches, shard_loaders
-from models import ViT, seed_everything
+from models import build_model, generate
 from training import (
     check_sharded_args,
     end_epoch,
     evaluate,
-    fast_forward,
     log_loss,
     sharded_parser,
     warmup_cosine,
@@ -89,12 +81,13 @@ def get_args(argv=None):
     add("--capacity-factor", type=float, default=1.25, help="expert slots an image / even share")
     add("--aux-loss-weight", type=float, default=0.01, help="weight of the balancing loss")
     add("--ep", type=int, help="expert-parallel degree (default: all processes)")
-    add("--dim", type=int, default=96, help="the ViT's width")
-    add("--heads", type=int, default=4, help="the ViT's attention heads")
-    add("--batch-size", type=int, default=128, help="samples per process per step")
+    add("--model", default="vit", choices=["vit", "gpt"], help="gpt: on --data text")
+    add("--dim", type=int, default=96, help="the model's width")
+    add("--heads", type=int, default=4, help="the model's attention heads")
+    add("--batch-size", type=int, help="samples per process per step (default 128; text: 16)")
     args = p.parse_args(argv)
     at_least_1 = ("experts", "top_k", "ep", "dim", "heads")
-    check_sharded_args(args, at_least_1, ("aux_loss_weight",), ("capacity_factor",))
+    check_sharded_args(args, at_least_1, ("aux_loss_weight",), ("capacity_factor",), (128, 16))
     if args.top_k > args.experts:
         fail(f"--top-k {args.top_k} is more than the {args.experts} experts")
     return args
@@ -107,11 +100,12 @@ def local(t):  # this process's part of a DTensor (its experts), or the tensor i
 class MoE(nn.Module):
     """A mixture of E expert MLPs and a linear router, in place of a block's MLP. Each weight
     of the experts is one tensor, expert first (E, ...): cut by its first dimension, it places
-    whole experts on processes. Until shard_experts() runs, one process holds them all."""
+    whole experts on processes. Until shard_experts() runs, one process holds them all. One
+    host sync a forward (the sizes of the all-to-all): nothing else waits for the device."""
 
     def __init__(self, dim, experts, top_k, capacity_factor):
         super().__init__()
-        hidden = 4 * dim // top_k  # k experts per token: the dense ViT's MLP compute
+        hidden = 4 * dim // top_k  # k experts per token: the dense model's MLP compute
         self.router = nn.Linear(dim, experts, bias=False)
 
         def init(fan_in, *shape):  # nn.Linear's initialisation, expert by expert
@@ -126,85 +120,105 @@ class MoE(nn.Module):
 
     def route(self, x):
         """Each token's k experts, their weights, and which of the choices fit, one row each."""
-        logits = self.router(x)  # (images, tokens, E)
+        logits = self.router(x)  # (samples, tokens, E)
         top, expert = logits.topk(self.top_k, dim=-1)
         weight = top.softmax(-1)  # the mix of the token's k outputs (as Mixtral)
-        # Capacity: an expert takes at most C of an image's choices, all first choices before
+        # Capacity: an expert takes at most C of a sample's choices, all first choices before
         # any second one, in token order; the rest are dropped (the residual carries the token
-        # on). Per image, not per batch: an image's output does not depend on the images
-        # beside it, so evaluation is exact at any batch size and number of processes.
-        images, tokens, k = expert.shape
+        # on). Per sample (an image, a sequence), not per batch: a sample's output does not
+        # depend on the samples beside it, so evaluation is exact at any batch and world size.
+        samples, tokens, k = expert.shape
         capacity = math.ceil(self.capacity_factor * k * tokens / self.experts)
-        queue = F.one_hot(expert, self.experts).transpose(1, 2).flatten(1, 2)  # by choice rank
+        queue = torch.zeros(*expert.shape, self.experts, dtype=torch.int32, device=x.device)
+        queue = queue.scatter_(-1, expert[..., None], 1).transpose(1, 2).flatten(1, 2)  # by rank
         position = ((queue.cumsum(1) - 1) * queue).sum(-1)  # each choice's place in its queue
-        kept = position.view(images, k, tokens).transpose(1, 2) < capacity
+        kept = position.view(samples, k, tokens).transpose(1, 2) < capacity
         return [t.flatten(0, 1) for t in (logits, expert, weight, kept)]
 
-    def balance_loss(self, logits, expert):
-        """The Switch Transformer's load-balancing loss, E x sum_e f_e x P_e: f_e the fraction
-        of choices that went to expert e, P_e its mean router probability; at its least, 1,
-        when both are even. Over the global batch: f from counts summed over every process
-        (one all-reduce of E + 1 numbers, all ranks participate). P is a mean over tokens:
-        each process adds its tokens' share, so the processes' losses average to the whole."""
-        counts = torch.bincount(expert.flatten(), minlength=self.experts)
-        totals = reduce_value(torch.cat([counts, counts.new_tensor([len(logits)])])).float()
-        f, probs = totals[:-1] / (totals[-1] * self.top_k), logits.float().softmax(-1)
-        return self.experts * get_world_size() * (f * probs.sum(0)).sum() / totals[-1]
-
     def forward(self, x):
-        images, tokens, dim = x.shape
+        samples, tokens, dim = x.shape
         logits, expert, weight, kept = self.route(x)
         x = x.reshape(-1, dim)
-        if self.training:
-            self.aux_loss = self.balance_loss(logits, expert)
-        # The kept choices, one row each, sorted by expert: so by the process that holds it.
-        token = torch.arange(len(x), device=x.device)[:, None].expand_as(expert)[kept]
-        chosen, weight = expert[kept], weight[kept]
-        order = chosen.argsort(stable=True)
-        token, chosen, weight = token[order], chosen[order], weight[order]
-        counts = torch.bincount(chosen, minlength=self.experts)
-        self.load, self.dropped = counts, (~kept).sum()  # for metrics.jsonl
-        h = x[token]  # a token chosen by two experts travels twice
-        y = self.exchange(h, counts) if self.ep > 1 else self.run_experts(h, counts)
+        if self.training:  # for balance_loss, once every block has run
+            self.choices = histogram(expert.flatten(), self.experts)
+            self.probs = logits.float().softmax(-1).sum(0)
+        # Every choice sorted by expert, so by the process that holds it, the dropped ones last
+        # (as expert E): no boolean indexing, whose result's size only the host could know.
+        target = torch.where(kept, expert, self.experts).flatten()
+        order = target.argsort(stable=True)
+        counts = histogram(target, self.experts + 1)
+        self.load, self.dropped = counts[:-1], counts[-1]  # for metrics.jsonl
+        # The counts first, E/EP to each process: how many rows it receives for each of its
+        # experts. They size the rows' exchange (all-to-all needs the sizes on both sides) and
+        # say which expert each received row is for: no index travels with it.
+        received = torch.empty_like(counts[: self.experts if self.ep > 1 else 0])
+        if self.ep > 1:
+            dist.all_to_all_single(received, counts[:-1], group=self.group)  # by sender
+        sizes = torch.cat([counts[:-1], received]).tolist()  # the layer's one host sync
+        chosen = order[: sum(sizes[: self.experts])]  # the kept choices
+        token = chosen // self.top_k  # a token chosen by two experts travels twice
+        h = x[token]
+        if torch.is_autocast_enabled(h.device.type):  # rows travel in the compute dtype
+            h = h.to(torch.get_autocast_dtype(h.device.type))  # (bf16: half the bytes)
+        if self.ep > 1:
+            y = self.exchange(h, sizes[: self.experts], sizes[self.experts :], received)
+        else:
+            y = self.run_experts(h, sizes)
         # Each token's outputs, weighted, summed back in its row; a dropped choice adds 0.
-        out = x.new_zeros(x.shape).index_add(0, token, (y * weight[:, None]).to(x.dtype))
-        return out.view(images, tokens, dim)
+        mixed = (y * weight.flatten()[chosen, None]).to(x.dtype)
+        return x.new_zeros(x.shape).index_add(0, token, mixed).view(samples, tokens, dim)
 
     def run_experts(self, h, counts):
-        """h: rows grouped by expert, counts[e] for this process's expert e."""
+        """h: rows grouped by expert, counts[e] (a list) of them for this process's expert e."""
         w1, b1, w2, b2 = (local(p) for p in (self.w1, self.b1, self.w2, self.b2))
-        rows = h.split(counts.tolist())
+        rows = h.split(counts)
         out = [F.gelu(r @ w1[e] + b1[e]) @ w2[e] + b2[e] for e, r in enumerate(rows)]
-        return torch.cat(out)
+        return torch.cat(out).to(h.dtype)  # back in the dtype the rows came in
 
-    def exchange(self, h, counts):
+    def exchange(self, h, counts, received, on_device):
         """The rows to their experts' processes, through the experts, and back (all ranks of
         the EP group participate). Autograd runs both exchanges reversed in backward: each
         output's gradient back to its expert, each input's back to its token's process."""
         ep, group, mine = self.ep, self.group, self.experts // self.ep
-        # 1. The counts first, E/EP to each process: how many rows it receives for each of
-        # its experts. They size the second exchange (all-to-all needs the sizes on both
-        # sides) and say which expert each received row is for: no index travels with it.
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=group)
-        send, recv = counts.view(ep, mine).sum(1).tolist(), received.view(ep, mine).sum(1).tolist()
+        send = [sum(counts[p * mine : (p + 1) * mine]) for p in range(ep)]
+        recv = [sum(received[p * mine : (p + 1) * mine]) for p in range(ep)]
         # 2. The rows (dim numbers each) to the process of their expert.
         h = all_to_all_single_autograd(h, recv, send, group)
-        # They arrive by sender, then expert: sorted by expert for the expert MLPs.
-        expert = torch.arange(mine, device=h.device).repeat(ep).repeat_interleave(received)
+        # They arrive by sender, then expert: sorted by expert for the expert MLPs (the sizes
+        # known on the host, so repeat_interleave needs no sync).
+        expert = torch.arange(mine, device=h.device).repeat(ep)
+        expert = expert.repeat_interleave(on_device, output_size=sum(recv))
         order = expert.argsort(stable=True)
-        y = self.run_experts(h[order], received.view(ep, mine).sum(0))
+        y = self.run_experts(h[order], [sum(received[e::mine]) for e in range(mine)])
         # 3. The outputs back, in the order the rows came, to the processes of their tokens.
         return all_to_all_single_autograd(y[order.argsort()], send, recv, group)
 
 
-class MoEViT(ViT):
-    """models.py's ViT with each block's MLP a mixture of experts."""
+def histogram(values, n):  # how often each of 0..n-1 occurs (bincount waits for the device)
+    return torch.zeros(n, dtype=torch.long, device=values.device).index_add_(
+        0, values, torch.ones_like(values)
+    )
 
-    def __init__(self, in_channels, num_classes, size, dim, heads, experts, top_k, capacity):
-        super().__init__(in_channels, num_classes, size, dim=dim, heads=heads)
-        for block in self.blocks:
-            block.mlp = MoE(dim, experts, top_k, capacity)
+
+def balance_loss(moes):
+    """The Switch Transformer's load-balancing loss of each block, E x sum_e f_e x P_e: f_e the
+    fraction of choices that went to expert e, P_e its mean router probability; at its least,
+    1, when both are even. Over the global batch: f from counts summed over every process, in
+    one all-reduce for all blocks (all ranks participate). P is a mean over tokens: each
+    process adds its tokens' share, so the processes' losses average to the whole."""
+    counts = reduce_value(torch.stack([m.choices for m in moes])).float()  # (blocks, E)
+    for m, total in zip(moes, counts, strict=True):
+        choices = total.sum()  # k for each token of the global batch
+        share = m.top_k / choices  # 1 / the global batch's tokens
+        m.aux_loss = m.experts * get_world_size() * (total / choices * m.probs).sum() * share
+    return sum(m.aux_loss for m in moes)
+
+
+def with_experts(model, experts, top_k, capacity_factor):
+    """models.py's ViT or GPT with each block's MLP replaced by a mixture of experts."""
+    for block in model.blocks:
+        block.mlp = MoE(block.attn.q.in_features, experts, top_k, capacity_factor)
+    return model
 
 
 def shard_experts(model, mesh):
@@ -260,16 +274,6 @@ def clip_grad_norm(model, mesh, max_norm):
     return total
 
 
-def read_meta(path, args):
-    """Rank 0: the checkpoint's step, RNG and flags, after checking that it is one of ours."""
-    saved = (meta := read_sharded_meta(path))["args"]
-    keys = ("dim", "heads", "experts", "top_k")
-    if saved.get("model") != "moe-vit" or any(saved.get(k) != getattr(args, k) for k in keys):
-        flags = " ".join(f"--{k.replace('_', '-')} {saved.get(k)}" for k in keys)
-        fail(f"checkpoint {path} holds a {saved.get('model', 'vit')} of {flags}")
-    return meta
-
-
 def main(argv=None):
     args = get_args(argv)
     require_torch("2.9", "expert_parallel.py")  # requirements.txt's floor
@@ -289,11 +293,10 @@ def main(argv=None):
         mesh = None
         if info.distributed:
             mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("dp", "ep"))
-        seed_everything(args.seed)  # the same initial weights on every rank
 
         # Data: every process its own 1/world of each epoch, as DDP does.
         train_set, test_set, num_classes, in_channels = load_datasets(
-            args.data, args.data_dir, args.download, None, info.local_rank
+            args.data, args.data_dir, args.download, None, info.local_rank, args.seq_len
         )
         sampler, train_loader, test_loader = shard_loaders(
             train_set, test_set, args, world, rank, device
@@ -304,45 +307,42 @@ def main(argv=None):
         # Built on no device whole, as in fsdp_train.py: the shapes on the meta device, the
         # experts cut, then memory for this process's experts and the whole rest only, filled
         # from rank 0's seeded CPU copy (all ranks participate).
-        shape = (args.dim, args.heads, args.experts, args.top_k, args.capacity_factor)
-        build = partial(MoEViT, in_channels, num_classes, train_set[0][0].shape[-1], *shape)
+        text, size = args.model == "gpt", train_set[0][0].shape[-1]  # an image's side
+        dense = partial(build_model, args.model, in_channels, num_classes, size, args.dim)
+        moe = (args.experts, args.top_k, args.capacity_factor)
+        build = lambda: with_experts(dense(args.heads, args.seq_len), *moe)  # noqa: E731
         with torch.device("meta"):
             model = build()
-        state = initial_state(build, args.seed)  # rank 0: the whole model; None elsewhere
+        initial = initial_state(build, args.seed)  # rank 0: the whole model; None elsewhere
         if mesh is not None:
             shard_experts(model, mesh)  # from here on, this process's experts only
         model.to_empty(device=device)
         fill = StateDictOptions(full_state_dict=True, broadcast_from_rank0=info.distributed)
-        set_model_state_dict(model, state or {}, options=fill)
+        set_model_state_dict(model, initial or {}, options=fill)
         autocast = partial(torch.autocast, device.type, torch.bfloat16, args.amp == "bf16")
 
-        # Every rank writes its own pieces into the output directory: every rank checks it.
-        out = together(lambda: args.output_dir and check_output_dir(args.output_dir))
+        out = sharded_output(args.output_dir)  # every rank writes there: every rank checks
 
         # The optimizer, made after the cut: it holds (and steps) this process's experts.
         lr = args.lr * global_batch / 256
         optimizer = torch.optim.AdamW(model.parameters(), lr, weight_decay=args.weight_decay)
 
         # Resume: rank 0 finds and checks the checkpoint; every rank reads its pieces (any degree).
-        resume, meta = find_checkpoint(args, partial(read_meta, args=args))
-        step = 0
-        if resume:
-            model_state, optim_state = get_state_dict(model, optimizer)  # to be filled in
+        state = dict(train=TrainState(model, optimizer))  # what DCP saves and loads
+        resume, meta = find_checkpoint(args, model)
+        if resume:  # each rank reads the parts of the saved pieces that make up its own
             with reading(resume):
-                dcp.load(dict(model=model_state, optimizer=optim_state), checkpoint_id=resume)
-            loaded = dict(model_state_dict=model_state, optim_state_dict=optim_state)
-            set_state_dict(model, optimizer, **loaded)
-        if resume and not args.eval_only:
-            batches = (global_batch, steps_per_epoch)
-            step = resume_step(args, optimizer, meta, resume, batches, device)
+                dcp.load(state, checkpoint_id=resume)
+        batches = (global_batch, steps_per_epoch)
+        step = resume_step(args, optimizer, meta, resume, batches, device)
 
-        scheduler = warmup_cosine(optimizer, args.warmup, total_steps)  # warm-up, cosine decay
-        fast_forward(scheduler, step)  # the rate is a function of the step alone
+        # Warm-up, then cosine decay; from the step resumed at (a function of the step alone).
+        scheduler = warmup_cosine(optimizer, args.warmup, total_steps, step)
 
         @torch.no_grad()
         def evaluate_all():
             """Exact: a rank with fewer test batches runs empty ones (forward is collective)."""
-            padded = pad_batches(test_loader, test_set[0][0].shape, device)
+            padded = pad_batches(test_loader, test_set[0], device)
             return evaluate(model, padded, device, autocast())
 
         if args.eval_only:
@@ -357,7 +357,7 @@ def main(argv=None):
         moes = [block.mlp for block in model.blocks]
         size = f"global batch {global_batch}, peak lr {lr:.3g}, {steps_per_epoch} steps/epoch"
         where = f"EP {ep} x {world // ep} replica(s) on {device.type}"
-        print0(f"MoE ViT on {args.data}: {args.experts} experts, {where}, {size}")
+        print0(f"MoE {args.model} on {args.data}: {args.experts} experts, {where}, {size}")
         if start_epoch >= args.epochs:
             print0(f"{resume} already holds all {args.epochs} epochs: nothing to train")
         for epoch in range(start_epoch, args.epochs):
@@ -377,8 +377,9 @@ def main(argv=None):
                 labels = labels.to(device, non_blocking=True)
                 with autocast():
                     logits = model(images)
-                loss = F.cross_entropy(logits.float(), labels, label_smoothing=0.1)
-                aux = sum(moe.aux_loss for moe in moes)  # this process's share (see MoE)
+                logits, labels = logits.flatten(0, -2).float(), labels.flatten()  # text: tokens
+                loss = F.cross_entropy(logits, labels, label_smoothing=0.0 if text else 0.1)
+                aux = balance_loss(moes)  # this process's share (all ranks participate)
                 (loss + args.aux_loss_weight * aux).backward()
                 average_gradients(model, mesh, world)  # as DDP does (all ranks participate)
                 loss_sum += loss.detach() * labels.numel()
@@ -412,15 +413,14 @@ def main(argv=None):
             lost = sum(dropped) / max(1, sum(map(sum, load)))
             print0(f"  busiest expert {busiest:.2f}x an even share; {lost:.1%} choices dropped")
             if out:  # all ranks participate
-                meta = dict(step=step, steps_per_epoch=steps_per_epoch, rng=rng_state(device))
-                meta.update(global_batch=global_batch, args=dict(vars(args), model="moe-vit"))
-                model_state, optim_state = get_state_dict(model, optimizer)
-                state = dict(model=model_state, optimizer=optim_state)
-                dcp.save(state, checkpoint_id=sharded_tmp(out))  # as in fsdp_train.py
+                meta = sharded_meta(model, step, steps_per_epoch, global_batch, args, device)
+                dcp.save(state, checkpoint_id=out / "checkpoint.tmp")  # as in fsdp_train.py
                 publish_sharded(out, meta)
 
         # The whole model in one file that loads without DTensor (all ranks participate).
-        export_whole(model, filter(None, [out and out / "model.pt", args.export]))
+        whole = export_whole(model, filter(None, [out and out / "model.pt", args.export]))
+        if text and whole:  # rank 0: a sample of what the GPT learnt
+            print0("sample:", generate(build(), whole))
         if info.distributed:
             dist.barrier()  # leave together (all ranks participate): rank 0 hosts the store
     except RuntimeError as e:

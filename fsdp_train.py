@@ -37,45 +37,30 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from checkpoint import (
-    check_output_dir,
+    TrainState,
     export_whole,
     find_checkpoint,
     initial_state,
     publish_sharded,
-    read_sharded_meta,
     reading,
     resume_step,
-    rng_state,
-    sharded_tmp,
+    sharded_meta,
+    sharded_output,
     trim_metrics,
 )
-from common import (
-    cleanup,
-    fail,
-    init_distributed_mode,
-    peer_failure,
-    print0,
-    require_torch,
-    together,
-)
+from common import cleanup, fail, init_distributed_mode, peer_failure, print0, require_torch
 from data import load_datasets, pad_batches, shard_loaders
-from models import MODELS, build_model
+from models import MODELS, build_model, generate
 from training import (
     check_sharded_args,
     end_epoch,
     evaluate,
-    fast_forward,
     log_loss,
     sharded_parser,
     warmup_cosine,
@@ -85,8 +70,9 @@ from training import (
 def get_args(argv=None):
     p = sharded_parser(__doc__)  # --data, --epochs, --lr, ..., --dist-timeout: training.py's
     add = p.add_argument
-    add("--model", default="vit", choices=sorted(MODELS), help="network")
-    add("--batch-size", type=int, default=128, help="samples per process per micro-batch")
+    add("--model", default="vit", choices=[*sorted(MODELS), "gpt"], help="gpt: on --data text")
+    per = "samples per process per micro-batch (default 128; text: 16 sequences)"
+    add("--batch-size", type=int, help=per)
     add("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
     reshard = "free a block's gathered weights after forward (--no-...: keep them for backward)"
     add(
@@ -105,7 +91,7 @@ def get_args(argv=None):
     check_sharded_args(args, ("accum_steps", "replicate"), not_negative=("save_every",))
     if (args.save_every or args.async_save) and not args.output_dir:
         fail("--save-every and --async-save need --output-dir (where the checkpoints go)")
-    if args.checkpoint_activations and args.model not in ("vit", "resnet18"):
+    if args.checkpoint_activations and args.model not in ("vit", "resnet18", "gpt"):
         fail(f"--checkpoint-activations recomputes blocks; --model {args.model} has none")
     return args
 
@@ -115,14 +101,6 @@ def units(model):
     stages (the MLP and the CNN have none: one unit, the root, whole)."""
     stages = [getattr(model, f"layer{i}", None) for i in range(1, 5)]
     return list(getattr(model, "blocks", [])) + [s for s in stages if s is not None]
-
-
-def read_meta(path, args):
-    """Rank 0: the checkpoint's step, RNG and flags, after checking that it is one of ours."""
-    meta = read_sharded_meta(path)
-    if meta["args"]["model"] != args.model:
-        fail(f"checkpoint {path} holds a --model {meta['args']['model']}, not {args.model}")
-    return meta
 
 
 def main(argv=None):
@@ -144,7 +122,7 @@ def main(argv=None):
 
         # Data: each rank trains on a disjoint 1/world of a permutation of (seed, epoch).
         train_set, test_set, num_classes, in_channels = load_datasets(
-            args.data, args.data_dir, args.download, None, info.local_rank
+            args.data, args.data_dir, args.download, None, info.local_rank, args.seq_len
         )
         sampler, train_loader, test_loader = shard_loaders(
             train_set, test_set, args, world, rank, device
@@ -186,15 +164,16 @@ def main(argv=None):
         # Built on no device whole: the shapes on the meta device (no memory), sharded, then
         # memory for this rank's shards only, filled by broadcast from rank 0's whole copy in
         # CPU memory: seeded as one process builds it, or the --init-from file.
-        image_size = train_set[0][0].shape[-1]
-        build = functools.partial(build_model, args.model, in_channels, num_classes, image_size)
+        text, size = args.model == "gpt", train_set[0][0].shape[-1]  # an image's side
+        build = functools.partial(build_model, args.model, in_channels, num_classes, size)
+        build = functools.partial(build, seq_len=args.seq_len)  # gpt: a causal decoder of bytes
         with torch.device("meta"):
             model = build()
-        state = initial_state(build, args.seed, args.init_from, model)  # rank 0: the whole
+        initial = initial_state(build, args.seed, args.init_from, model)  # rank 0: the whole
         shard(model)
         model.to_empty(device=torch.device("cpu") if args.cpu_offload else device)
         fill = StateDictOptions(full_state_dict=True, broadcast_from_rank0=info.distributed)
-        set_model_state_dict(model, state or {}, options=fill)  # all ranks participate
+        set_model_state_dict(model, initial or {}, options=fill)  # all ranks participate
         raw_model = model  # no torch.compile wrapper
         if args.checkpoint_activations:
             for block in units(model):
@@ -203,8 +182,7 @@ def main(argv=None):
         use_autocast = args.amp == "bf16" and not info.distributed
         autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, use_autocast)
 
-        # Every rank writes its own shards into the output directory: every rank checks it.
-        out = together(lambda: args.output_dir and check_output_dir(args.output_dir))
+        out = sharded_output(args.output_dir)  # every rank writes there: every rank checks
 
         # The optimizer, made after fully_shard: it holds (and steps) the local shards only.
         lr = args.lr * global_batch / 256
@@ -213,20 +191,16 @@ def main(argv=None):
         # Resume: rank 0 finds the checkpoint and checks its meta.pt; every rank reads the parts
         # of the saved shards that make up its own, whatever the number of processes that
         # saved them: DCP cuts them anew (all ranks participate).
-        resume, meta = find_checkpoint(args, functools.partial(read_meta, args=args))
-        step = 0
-        if resume:
-            model_state, optim_state = get_state_dict(raw_model, optimizer)  # to be filled in
+        state = dict(train=TrainState(raw_model, optimizer))  # what DCP saves and loads
+        resume, meta = find_checkpoint(args, raw_model)
+        if resume:  # each rank reads the parts of the saved pieces that make up its own
             with reading(resume):
-                dcp.load(dict(model=model_state, optimizer=optim_state), checkpoint_id=resume)
-            loaded = dict(model_state_dict=model_state, optim_state_dict=optim_state)
-            set_state_dict(raw_model, optimizer, **loaded)
-        if resume and not args.eval_only:
-            batches = (global_batch, steps_per_epoch)
-            step = resume_step(args, optimizer, meta, resume, batches, device)
+                dcp.load(state, checkpoint_id=resume)
+        batches = (global_batch, steps_per_epoch)
+        step = resume_step(args, optimizer, meta, resume, batches, device)
 
-        scheduler = warmup_cosine(optimizer, args.warmup, total_steps)  # warm-up, cosine decay
-        fast_forward(scheduler, step)  # the rate is a function of the step alone
+        # Warm-up, then cosine decay; from the step resumed at (a function of the step alone).
+        scheduler = warmup_cosine(optimizer, args.warmup, total_steps, step)
 
         @torch.no_grad()
         def evaluate_all():
@@ -234,7 +208,7 @@ def main(argv=None):
             ranks participate), so a rank with fewer test batches runs empty ones."""
             for buffer in raw_model.buffers() if info.distributed else ():
                 dist.broadcast(buffer, src=0)  # BatchNorm statistics: one model on every rank
-            padded = pad_batches(test_loader, test_set[0][0].shape, device)
+            padded = pad_batches(test_loader, test_set[0], device)
             return evaluate(raw_model, padded, device, autocast())
 
         if args.eval_only:
@@ -257,18 +231,16 @@ def main(argv=None):
         def save(step):  # all ranks participate
             if pending:
                 pending.pop()()  # the previous save written (and published), before the next
-            # The RNG is rank 0's: nothing in a step draws random numbers per rank.
-            meta = dict(step=step, steps_per_epoch=steps_per_epoch, rng=rng_state(device))
-            meta.update(global_batch=global_batch, args=vars(args))
+            meta = sharded_meta(raw_model, step, steps_per_epoch, global_batch, args, device)
             # Every rank writes its own shards of the model and the optimizer state; once all
             # are written, rank 0 publishes them (a crash mid-save keeps the last checkpoint).
-            model_state, optim_state = get_state_dict(raw_model, optimizer)
-            state = dict(model=model_state, optimizer=optim_state)
             if not args.async_save:
-                dcp.save(state, checkpoint_id=sharded_tmp(out))
+                dcp.save(state, checkpoint_id=out / "checkpoint.tmp")
                 return publish_sharded(out, meta)
             # In the background: copied to CPU memory now, written by a thread meanwhile.
-            future = dcp.async_save(state, checkpoint_id=sharded_tmp(out), process_group=group)
+            future = dcp.async_save(
+                state, checkpoint_id=out / "checkpoint.tmp", process_group=group
+            )
             pending.append(lambda: (future.result(), publish_sharded(out, meta)))
 
         start_epoch = step // steps_per_epoch
@@ -303,7 +275,9 @@ def main(argv=None):
                     raw_model.set_requires_gradient_sync(last_micro)
                 with autocast():
                     logits = model(images)
-                loss = F.cross_entropy(logits.float(), labels, label_smoothing=0.1)
+                # Per sample, or per token (text: the mean over each position's next byte).
+                logits, labels = logits.flatten(0, -2).float(), labels.flatten()
+                loss = F.cross_entropy(logits, labels, label_smoothing=0.0 if text else 0.1)
                 # Each unit's gradients are reduce-scattered as soon as backward has made them:
                 # every rank keeps the mean over all ranks for its own shard (over the
                 # micro-batches too, by the division).
@@ -342,7 +316,9 @@ def main(argv=None):
             pending.pop()()  # the last checkpoint written (and published by rank 0)
 
         # The whole model in one file that loads without FSDP (all ranks participate).
-        export_whole(raw_model, filter(None, [out and out / "model.pt", args.export]))
+        whole = export_whole(raw_model, filter(None, [out and out / "model.pt", args.export]))
+        if text and whole:  # rank 0: a sample of what the GPT learnt
+            print0("sample:", generate(build(), whole))
         if info.distributed:
             dist.barrier()  # leave together (all ranks participate): rank 0 hosts the store
     except RuntimeError as e:

@@ -52,9 +52,9 @@ class Attention(nn.Module):
     """Multi-head self-attention with q, k, v and the output projection as four Linears
     (tensor parallelism splits each of them, and with them the heads)."""
 
-    def __init__(self, dim, heads):
+    def __init__(self, dim, heads, causal=False):
         super().__init__()
-        self.head_dim = dim // heads
+        self.head_dim, self.causal = dim // heads, causal
         # attend(q, k, v): F.scaled_dot_product_attention unless set (context_parallel.py sets
         # attention over every process's keys and values)
         self.attend = None
@@ -68,17 +68,20 @@ class Attention(nn.Module):
             # -1: the heads this process holds (all unless a tensor-parallel plan split them)
             return y.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
 
-        attend = self.attend or F.scaled_dot_product_attention
-        out = attend(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)))
+        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        if self.attend:
+            out = self.attend(q, k, v)
+        else:  # causal: each token attends to itself and the tokens before it, not after
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.proj(out.transpose(1, 2).flatten(2))
 
 
 class Block(nn.Module):
     """A pre-norm transformer block: x + attention(norm(x)), then x + MLP(norm(x))."""
 
-    def __init__(self, dim, heads, mlp_ratio=4):
+    def __init__(self, dim, heads, mlp_ratio=4, causal=False):
         super().__init__()
-        self.norm1, self.attn = nn.LayerNorm(dim), Attention(dim, heads)
+        self.norm1, self.attn = nn.LayerNorm(dim), Attention(dim, heads, causal)
         self.norm2 = nn.LayerNorm(dim)
         hidden = mlp_ratio * dim
         self.mlp = nn.Sequential(
@@ -113,10 +116,53 @@ class ViT(nn.Module):
         return self.head(self.norm(x).mean(1))
 
 
+class GPT(nn.Module):
+    """A causal decoder over bytes (Radford et al., 2019, at a small size): each byte a token
+    with a learned position, the ViT's pre-norm blocks with causal attention, a final norm
+    and a head to 256 logits: at each position, the distribution of the next byte."""
+
+    def __init__(self, vocab=256, seq_len=256, dim=96, depth=4, heads=4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        nn.init.normal_(self.embed.weight, std=0.02)  # as the positions (N(0, 1) drowns them)
+        self.pos = nn.Parameter(0.02 * torch.randn(1, seq_len, dim))
+        self.blocks = nn.ModuleList(Block(dim, heads, causal=True) for _ in range(depth))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
+
+    def forward(self, tokens):  # (N, T) bytes -> (N, T, vocab)
+        x = self.embed(tokens) + self.pos[:, : tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+@torch.no_grad()
+def generate(model, state=None, prompt="def ", length=300, temperature=0.8, seed=0):
+    """`prompt` and `length` more bytes from a GPT (with the weights `state`, if given), each
+    drawn from its distribution of the next byte given the seq_len bytes before it, with a
+    generator of its own: the same text every time."""
+    if state is not None:
+        model.load_state_dict(state)
+    model.eval()
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.tensor([list(prompt.encode())])
+    for _ in range(length):
+        logits = model(tokens[:, -model.pos.shape[1] :])[0, -1].float()
+        probs = (logits / temperature).softmax(-1)
+        tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=generator)[None]], 1)
+    return bytes(tokens[0].tolist()).decode("utf-8", errors="replace")
+
+
 MODELS = {"cnn": SmallCNN, "resnet18": resnet18_small, "mlp": MLP, "vit": ViT}
 
 
-def build_model(name, in_channels, num_classes, image_size=28):
-    if name in ("mlp", "vit"):  # the models whose shape depends on the image size
-        return MODELS[name](in_channels, num_classes, size=image_size)
+def build_model(name, in_channels, num_classes, image_size=28, dim=96, heads=4, seq_len=256):
+    """An image model of MODELS, or "gpt" (on text: num_classes is the vocabulary). dim and
+    heads shape the transformers (vit, gpt), seq_len the GPT's context."""
+    if name == "gpt":
+        return GPT(num_classes, seq_len, dim, heads=heads)
+    if name == "vit":
+        return ViT(in_channels, num_classes, image_size, dim, heads=heads)
+    if name == "mlp":  # its first layer's shape depends on the image size
+        return MLP(in_channels, num_classes, size=image_size)
     return MODELS[name](in_channels, num_classes)

@@ -30,12 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -48,34 +43,24 @@ from torch.distributed.tensor.parallel import (
 )
 
 from checkpoint import (
-    check_output_dir,
+    TrainState,
     export_whole,
     find_checkpoint,
     initial_state,
     publish_sharded,
-    read_sharded_meta,
     reading,
     resume_step,
-    rng_state,
-    sharded_tmp,
+    sharded_meta,
+    sharded_output,
     trim_metrics,
 )
-from common import (
-    cleanup,
-    fail,
-    init_distributed_mode,
-    peer_failure,
-    print0,
-    require_torch,
-    together,
-)
+from common import cleanup, fail, init_distributed_mode, peer_failure, print0, require_torch
 from data import load_datasets, pad_batches, shard_loaders
-from models import ViT, seed_everything
+from models import build_model, generate
 from training import (
     check_sharded_args,
     end_epoch,
     evaluate,
-    fast_forward,
     log_loss,
     sharded_parser,
     warmup_cosine,
@@ -88,11 +73,12 @@ def get_args(argv=None):
     add("--dp", type=int, default=1, help="data-parallel degree (FSDP); TP: processes / dp")
     add("--tp", type=int, help="tensor-parallel degree (default: processes / --dp)")
     add("--sequence-parallel", action="store_true", help="norms, residuals by token (TP > 1)")
-    add("--dim", type=int, default=96, help="the ViT's width")
-    add("--heads", type=int, default=4, help="the ViT's attention heads")
-    add("--batch-size", type=int, default=128, help="samples per TP group per step")
+    add("--model", default="vit", choices=["vit", "gpt"], help="gpt: on --data text")
+    add("--dim", type=int, default=96, help="the model's width")
+    add("--heads", type=int, default=4, help="the model's attention heads")
+    add("--batch-size", type=int, help="samples per TP group per step (default 128; text: 32)")
     args = p.parse_args(argv)
-    return check_sharded_args(args, at_least_1=("dp", "tp", "dim", "heads"))
+    return check_sharded_args(args, ("dp", "tp", "dim", "heads"), batch=(128, 32))
 
 
 def move(src, dst, local=True):
@@ -137,15 +123,6 @@ def clip_grad_norm(params, max_norm):
     return total.sqrt()
 
 
-def read_meta(path, args):
-    """Rank 0: the checkpoint's step, RNG and flags, after checking that it is one of ours."""
-    saved = (meta := read_sharded_meta(path))["args"]
-    shape = (saved.get("model", "vit"), saved.get("dim", 96), saved.get("heads", 4))
-    if shape != ("vit", args.dim, args.heads):  # fsdp_train.py's ViT checkpoints fit too
-        fail(f"checkpoint {path} holds a {shape[0]} of --dim {shape[1]} --heads {shape[2]}")
-    return meta
-
-
 def main(argv=None):
     args = get_args(argv)
     require_torch("2.9", "tensor_parallel.py")  # requirements.txt's floor
@@ -165,11 +142,10 @@ def main(argv=None):
         if info.distributed:
             mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
         dp_rank = mesh["dp"].get_local_rank() if mesh else 0
-        seed_everything(args.seed)
 
         # Data: a TP group shares each batch; the dp rows of the mesh take disjoint 1/dp.
         train_set, test_set, num_classes, in_channels = load_datasets(
-            args.data, args.data_dir, args.download, None, info.local_rank
+            args.data, args.data_dir, args.download, None, info.local_rank, args.seq_len
         )
         sampler, train_loader, test_loader = shard_loaders(
             train_set, test_set, args, dp, dp_rank, device
@@ -177,14 +153,18 @@ def main(argv=None):
         steps_per_epoch, global_batch = len(train_loader), args.batch_size * dp
         total_steps = args.epochs * steps_per_epoch
 
-        image_size = train_set[0][0].shape[-1]
-        build = functools.partial(ViT, in_channels, num_classes, image_size, args.dim)
-        build = functools.partial(build, heads=args.heads)
+        text, size = args.model == "gpt", train_set[0][0].shape[-1]  # an image's side
+        shape = (size, args.dim, args.heads, args.seq_len)
+        build = functools.partial(build_model, args.model, in_channels, num_classes, *shape)
 
         def split(model):
             if tp > 1:
-                # Each split weight becomes a DTensor that holds 1/tp of it here; the patch
-                # embedding, the norms and the head stay whole on every process.
+                # Each split weight becomes a DTensor that holds 1/tp of it here; the
+                # embedding, the norms and the head stay whole on every process. (A GPT's
+                # head to 256 bytes is smaller than one block. Over a vocabulary of 128K it
+                # is the largest layer: split by vocabulary, ColwiseParallel(output_layouts=
+                # Shard(-1)), with the loss under loss_parallel(), no process holds all the
+                # logits of a token.)
                 for block in model.blocks:
                     parallelize_module(block, mesh["tp"], block_plan(args.sequence_parallel))
                 if args.sequence_parallel:  # 1st block's input cut by token, the last's joined
@@ -205,16 +185,15 @@ def main(argv=None):
         # split, then memory for each rank's pieces, filled from rank 0's seeded CPU copy.
         with torch.device("meta"):
             model = build()
-        state = initial_state(build, args.seed)  # rank 0: the whole model; None elsewhere
+        initial = initial_state(build, args.seed)  # rank 0: the whole model; None elsewhere
         split(model)
         model.to_empty(device=device)
         fill = StateDictOptions(full_state_dict=True, broadcast_from_rank0=info.distributed)
-        set_model_state_dict(model, state or {}, options=fill)  # all ranks participate
+        set_model_state_dict(model, initial or {}, options=fill)  # all ranks participate
         use_autocast = args.amp == "bf16" and dp == 1  # without FSDP, autocast gives bf16
         autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, use_autocast)
 
-        # Every rank writes its own pieces into the output directory: every rank checks it.
-        out = together(lambda: args.output_dir and check_output_dir(args.output_dir))
+        out = sharded_output(args.output_dir)  # every rank writes there: every rank checks
 
         # The optimizer, made after the split: it holds (and steps) this process's pieces.
         lr = args.lr * global_batch / 256
@@ -222,26 +201,22 @@ def main(argv=None):
 
         # Resume, as in fsdp_train.py: rank 0 finds and checks the checkpoint; every rank reads
         # the parts of the saved pieces that make up its own, at any degree (all participate).
-        resume, meta = find_checkpoint(args, functools.partial(read_meta, args=args))
-        step = 0
-        if resume:
-            model_state, optim_state = get_state_dict(model, optimizer)  # to be filled in
+        state = dict(train=TrainState(model, optimizer))  # what DCP saves and loads
+        resume, meta = find_checkpoint(args, model)
+        if resume:  # each rank reads the parts of the saved pieces that make up its own
             with reading(resume):
-                dcp.load(dict(model=model_state, optimizer=optim_state), checkpoint_id=resume)
-            loaded = dict(model_state_dict=model_state, optim_state_dict=optim_state)
-            set_state_dict(model, optimizer, **loaded)
-        if resume and not args.eval_only:
-            batches = (global_batch, steps_per_epoch)
-            step = resume_step(args, optimizer, meta, resume, batches, device)
+                dcp.load(state, checkpoint_id=resume)
+        batches = (global_batch, steps_per_epoch)
+        step = resume_step(args, optimizer, meta, resume, batches, device)
 
-        scheduler = warmup_cosine(optimizer, args.warmup, total_steps)  # warm-up, cosine decay
-        fast_forward(scheduler, step)  # the rate is a function of the step alone
+        # Warm-up, then cosine decay; from the step resumed at (a function of the step alone).
+        scheduler = warmup_cosine(optimizer, args.warmup, total_steps, step)
 
         @torch.no_grad()
         def evaluate_all():
             """Exact: a rank with fewer test batches runs empty ones (forward is collective);
             evaluate() sums each TP group's totals tp times, so the ratios are exact."""
-            padded = pad_batches(test_loader, test_set[0][0].shape, device)
+            padded = pad_batches(test_loader, test_set[0], device)
             return evaluate(model, padded, device, autocast())
 
         if args.eval_only:
@@ -250,12 +225,9 @@ def main(argv=None):
             return
 
         def save(step):  # all ranks participate
-            meta = dict(step=step, steps_per_epoch=steps_per_epoch, rng=rng_state(device))
-            meta.update(global_batch=global_batch, args=dict(vars(args), model="vit"))
+            meta = sharded_meta(model, step, steps_per_epoch, global_batch, args, device)
             # Every rank writes its pieces; rank 0 then publishes them (see fsdp_train.py).
-            model_state, optim_state = get_state_dict(model, optimizer)
-            state = dict(model=model_state, optimizer=optim_state)
-            dcp.save(state, checkpoint_id=sharded_tmp(out))
+            dcp.save(state, checkpoint_id=out / "checkpoint.tmp")
             publish_sharded(out, meta)
 
         start_epoch = step // steps_per_epoch
@@ -263,7 +235,8 @@ def main(argv=None):
         if metrics and not (args.max_steps and step >= args.max_steps):
             trim_metrics(metrics, start_epoch)  # epochs that run again lose their old lines
         size = f"global batch {global_batch}, peak lr {lr:.3g}, {steps_per_epoch} steps/epoch"
-        print0(f"ViT on {args.data}: {dp} x {tp} (dp x tp) process(es) on {device.type}, {size}")
+        how = f"{dp} x {tp} (dp x tp) process(es) on {device.type}"
+        print0(f"{args.model} on {args.data}: {how}, {size}")
         if start_epoch >= args.epochs:
             print0(f"{resume} already holds all {args.epochs} epochs: nothing to train")
         for epoch in range(start_epoch, args.epochs):
@@ -282,7 +255,8 @@ def main(argv=None):
                 labels = labels.to(device, non_blocking=True)
                 with autocast():
                     logits = model(images)  # whole on every process of the TP group
-                loss = F.cross_entropy(logits.float(), labels, label_smoothing=0.1)
+                logits, labels = logits.flatten(0, -2).float(), labels.flatten()  # text: tokens
+                loss = F.cross_entropy(logits, labels, label_smoothing=0.0 if text else 0.1)
                 loss.backward()
                 loss_sum += loss.detach() * labels.numel()
                 count += labels.numel()
@@ -309,7 +283,9 @@ def main(argv=None):
                 save(step)  # all ranks participate
 
         # The whole model in one file that loads without DTensor (all ranks participate).
-        export_whole(model, filter(None, [out and out / "model.pt", args.export]))
+        whole = export_whole(model, filter(None, [out and out / "model.pt", args.export]))
+        if text and whole:  # rank 0: a sample of what the GPT learnt
+            print0("sample:", generate(build(), whole))
         if info.distributed:
             dist.barrier()  # leave together (all ranks participate): rank 0 hosts the store
     except RuntimeError as e:

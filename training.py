@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from checkpoint import append_metrics
 from common import ArgumentParser, check_flags, fail, print0, reduce_value
-from data import DATASETS
+from data import DATASETS, TEXT
 
 
 def sharded_parser(doc):
@@ -18,11 +18,14 @@ def sharded_parser(doc):
     expert_parallel.py), said once so that each means the same in all four; each adds its own."""
     p = ArgumentParser(description=doc.splitlines()[0])
     add = p.add_argument
-    add("--data", default="fashion-mnist", choices=DATASETS, help="data set")
-    add("--data-dir", default="data", help="root holding the data set (torchvision's layout)")
+    add("--data", default="fashion-mnist", choices=[*DATASETS, TEXT], help="data set")
+    where = "images: torchvision's root (default data); text: a file or folder (default stdlib)"
+    add("--data-dir", help=where)
     add("--download", action="store_true", help="download the data set if it is missing")
-    add("--epochs", type=int, default=5, help="passes over the training set")
-    add("--lr", type=float, default=3e-3, help="peak AdamW rate per 256 samples of global batch")
+    add("--seq-len", type=int, default=256, help="text: bytes per sample (the context)")
+    add("--epochs", type=int, help="passes over the training set (default 5; text: 2)")
+    peak = "peak AdamW rate per 256 samples of global batch (default 3e-3; text: 2e-2)"
+    add("--lr", type=float, help=peak)
     add("--weight-decay", type=float, default=0.05, help="AdamW's decoupled weight decay")
     add("--warmup", type=float, default=0.1, help="fraction of all steps spent warming up")
     add("--seed", type=int, default=0, help="seed for the weights and the shuffling")
@@ -40,15 +43,23 @@ def sharded_parser(doc):
     return p
 
 
-def check_sharded_args(args, at_least_1=(), not_negative=(), positive=()):
-    """check_flags for a sharded script's flags, the shared ones' bounds added."""
-    at_least_1 = ("epochs", "batch_size", "log_every", *at_least_1)
+def check_sharded_args(args, at_least_1=(), not_negative=(), positive=(), batch=(128, 16)):
+    """check_flags for a sharded script's flags, the shared ones' bounds added; the defaults
+    that depend on the data filled in: (images, text) for --epochs, --lr and `batch`'s
+    --batch-size. A text sample is a sequence of --seq-len tokens, an image one of 16."""
+    text = args.data == TEXT
+    for name, defaults in (("epochs", (5, 2)), ("lr", (3e-3, 2e-2)), ("batch_size", batch)):
+        if getattr(args, name) is None:
+            setattr(args, name, defaults[text])
+    at_least_1 = ("epochs", "batch_size", "log_every", "seq_len", *at_least_1)
     not_negative = ("max_steps", "clip_grad", *not_negative)
     check_flags(args, at_least_1, not_negative, ("lr", "dist_timeout", *positive))
     if not 0 <= args.warmup < 1:
         fail(f"--warmup is a fraction of the run, in [0, 1); got {args.warmup}")
     if args.eval_only and not args.resume:
         fail("--eval-only needs --resume DIR (the checkpoint to evaluate)")
+    if (args.model == "gpt") != text:  # a language model reads text; the others, images
+        fail(f"--model {args.model} does not train on --data {args.data}: gpt reads text only")
     if hasattr(args, "heads") and args.dim % args.heads:
         fail(f"--dim {args.dim} is not a whole number of --heads {args.heads}")
     return args
@@ -57,32 +68,38 @@ def check_sharded_args(args, at_least_1=(), not_negative=(), positive=()):
 @torch.no_grad()
 def evaluate(model, loader, device, autocast=None):
     """Loss and accuracy over the whole test set, exact at any world size; all ranks
-    participate. Pass the unwrapped model: DDP's forward broadcasts buffers, a collective
-    that would hang where ranks have different numbers of test batches."""
+    participate. Per sample (class logits), or per token (text: logits for each position,
+    the next byte's loss in nats and its accuracy). Pass the unwrapped model: DDP's forward
+    broadcasts buffers, a collective that would hang where ranks have different numbers of
+    test batches."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     for images, labels in loader:
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with autocast or torch.autocast(device.type, enabled=False):
             logits = model(images)
-        totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
-        totals[1] += (logits.argmax(1) == labels).sum()
+        flat = logits.flatten(0, -2).float()  # (samples or tokens, classes)
+        totals[0] += F.cross_entropy(flat, labels.flatten(), reduction="sum")
+        totals[1] += (logits.argmax(-1) == labels).sum()
         totals[2] += labels.numel()
     loss_sum, correct, count = reduce_value(totals).tolist()
     return loss_sum / count, correct / count
 
 
-def warmup_cosine(optimizer, warmup_fraction, total_steps):
+def warmup_cosine(optimizer, warmup_fraction, total_steps, start=0):
     """A LambdaLR: linear warm-up to the peak over warmup_fraction of the steps, then cosine
-    decay to zero (ddp_train.py --schedule cosine, model_parallel.py, fsdp_train.py,
-    tensor_parallel.py). Warm-up 0: the first step at the peak."""
+    decay to zero (ddp_train.py --schedule cosine, model_parallel.py, the sharded scripts),
+    moved on to step `start` (a resumed run's: the rate is a function of the step alone).
+    Warm-up 0: the first step at the peak."""
     warmup = max(1, int(warmup_fraction * total_steps))
 
     def factor(step):
         done = min(1.0, (step - warmup) / max(1, total_steps - warmup))
         return (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * done))
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    fast_forward(scheduler, start)
+    return scheduler
 
 
 def amp_note(amp, device):

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from common import cleanup, init_distributed_mode  # noqa: E402
-from context_parallel import LongViT  # noqa: E402
+from context_parallel import LongViT, layout, own, split_attention  # noqa: E402
 
 
 def saved_bytes(storages):
@@ -46,13 +46,17 @@ def saved_bytes(storages):
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
-def measure(layout, global_batch, steps, world):
+def measure(name, global_batch, steps, world):
     from torch.distributed.fsdp import fully_shard
 
-    cp = "cp" in layout
+    cp = "cp" in name
     torch.manual_seed(0)
     group = dist.group.WORLD if cp else None
-    model = LongViT(1, 10, 28, 96, 4, group, layout.split()[-1])
+    chunks = layout(28, world, "contiguous")  # each process its rows
+    mine = chunks[dist.get_rank()] if cp else None
+    model = LongViT(1, 10, 28, 96, 4, group, mine)
+    if cp:
+        split_attention(model, group, name.split()[-1], chunks, causal=False)
     if world > 1:
         for block in model.blocks:
             fully_shard(block)
@@ -60,6 +64,7 @@ def measure(layout, global_batch, steps, world):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
     batch = global_batch if cp else global_batch // world  # a CP group shares its batch
     images, labels = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+    images = own(images, mine, 2) if cp else images  # this process's rows
     seconds, storages = [], {}
     for step in range(steps + 1):
         start = time.perf_counter()
@@ -78,15 +83,15 @@ def measure(layout, global_batch, steps, world):
 def worker(args):
     info = init_distributed_mode(device="cpu", timeout_s=300)
     try:
-        for layout in ("1 process", "fsdp 2", "cp 2 ring", "cp 2 allgather"):
-            if layout == "1 process":  # rank 0 alone, as many threads as each process after
+        for name in ("1 process", "fsdp 2", "cp 2 ring", "cp 2 allgather"):
+            if name == "1 process":  # rank 0 alone, as many threads as each process after
                 alone = info.rank == 0
-                result = measure(layout, args.global_batch, args.steps, 1) if alone else None
+                result = measure(name, args.global_batch, args.steps, 1) if alone else None
                 dist.barrier()
             else:
-                result = measure(layout, args.global_batch, args.steps, info.world_size)
+                result = measure(name, args.global_batch, args.steps, info.world_size)
             if info.rank == 0:
-                print(json.dumps(dict(layout=layout, **result)), flush=True)
+                print(json.dumps(dict(layout=name, **result)), flush=True)
     finally:
         cleanup()
 

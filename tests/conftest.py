@@ -348,7 +348,7 @@ def ddp_run(tmp_path_factory):
     return out, proc
 
 
-def docstring_launches_reach_the_mesh(module, monkeypatch):
+def docstring_launches_reach_the_mesh(module, monkeypatch, extra=SYNTHETIC):
     """Every torchrun command in a sharded script's docstring passes the script's checks at its
     number of processes: a pretended world of that size gets as far as making its mesh. Returns
     the numbers of processes, for the caller to compare with the commands it expects."""
@@ -370,6 +370,32 @@ def docstring_launches_reach_the_mesh(module, monkeypatch):
         info = common.DistInfo(True, 0, 0, world, world, torch.device("cpu"))
         monkeypatch.setattr(module, "init_distributed_mode", lambda info=info, **_: info)
         with pytest.raises(Reached):
-            module.main([*words[words.index(script) + 1 :], *SYNTHETIC])
+            module.main([*words[words.index(script) + 1 :], *extra])
         worlds.append(world)
     return sorted(worlds)
+
+
+def moe_vit(experts, top_k, capacity_factor):
+    """expert_parallel.py's mixture-of-experts ViT, built as the script builds it."""
+    import expert_parallel
+
+    vit = models.ViT(1, 10, 28, 96, heads=4)
+    return expert_parallel.with_experts(vit, experts, top_k, capacity_factor)
+
+
+@pytest.fixture(scope="session")
+def small_text(tmp_path_factory):
+    """The language-model tests' corpus: the first 16,000 bytes of the standard library's
+    argparse.py (UTF-8 text on every machine). At --seq-len 32, 474 training windows and a
+    held-out tail of 800 bytes: 24 validation windows."""
+    import argparse
+
+    path = tmp_path_factory.mktemp("text") / "corpus.txt"
+    path.write_bytes(Path(argparse.__file__).read_bytes()[:16000])
+    return path
+
+
+def text_flags(path, seq_len=32):
+    """The flags of a GPT run on `path` (small_text), on the CPU."""
+    data = ["--data", "text", "--data-dir", str(path), "--seq-len", str(seq_len)]
+    return [*data, "--model", "gpt", "--device", "cpu"]

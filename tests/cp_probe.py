@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import context_parallel  # noqa: E402
-from data import InMemoryDataset  # noqa: E402
 
 reports, *train = sys.argv[1 : sys.argv.index("--")]
 argv = sys.argv[sys.argv.index("--") + 1 :]
@@ -50,7 +49,7 @@ def load_datasets(*args, **kwargs):
     train_set, *rest = real_load(*args, **kwargs)
     if train:
         n = int(train[0])
-        train_set = InMemoryDataset(train_set.images[:n], train_set.labels[:n], train_set.classes)
+        train_set = torch.utils.data.Subset(train_set, range(n))  # images or text windows
     return train_set, *rest
 
 
@@ -75,16 +74,19 @@ def adamw(params, *args, **kwargs):
 
 
 torch.optim.AdamW = adamw
-real_vit = context_parallel.LongViT
 
 
-class LongViT(real_vit):
-    def parameters(self, *args, **kwargs):  # called by the optimizer, after fully_shard
-        names.update({id(p): n for n, p in self.named_parameters()})
-        return super().parameters(*args, **kwargs)
+def named(model_class):
+    class Named(model_class):
+        def parameters(self, *args, **kwargs):  # called by the optimizer, after fully_shard
+            names.update({id(p): n for n, p in self.named_parameters()})
+            return super().parameters(*args, **kwargs)
+
+    return Named
 
 
-context_parallel.LongViT = LongViT
+context_parallel.LongViT = named(context_parallel.LongViT)
+context_parallel.LongGPT = named(context_parallel.LongGPT)
 real_cleanup = context_parallel.cleanup
 
 

@@ -34,14 +34,11 @@ def cross_entropy(logits, labels, **kwargs):  # the training loss only (evaluate
     seen["logits"].append(logits.detach().clone())
     seen["labels"].append(labels.clone())
     seen["losses"].append(loss.item())
-    seen["aux"].append([b.mlp.aux_loss.item() for b in models[-1].blocks])
     return loss
 
 
 expert_parallel.F = types.SimpleNamespace(
-    cross_entropy=cross_entropy,
-    one_hot=torch.nn.functional.one_hot,
-    gelu=torch.nn.functional.gelu,
+    cross_entropy=cross_entropy, gelu=torch.nn.functional.gelu
 )
 real_route = expert_parallel.MoE.route
 
@@ -91,17 +88,27 @@ def adamw(params, *args, **kwargs):
 
 
 torch.optim.AdamW = adamw
-real_model = expert_parallel.MoEViT
+real_balance_loss = expert_parallel.balance_loss
 
 
-class MoEViT(real_model):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        if self.pos.is_meta:  # the model trained (rank 0 also builds a CPU copy to fill it)
-            models.append(self)
+def balance_loss(moes):
+    aux = real_balance_loss(moes)
+    seen["aux"].append([m.aux_loss.item() for m in moes])
+    return aux
 
 
-expert_parallel.MoEViT = MoEViT
+expert_parallel.balance_loss = balance_loss
+real_with_experts = expert_parallel.with_experts
+
+
+def with_experts(*args, **kwargs):
+    model = real_with_experts(*args, **kwargs)
+    if model.pos.is_meta:  # the model trained (rank 0 also builds a CPU copy to fill it)
+        models.append(model)
+    return model
+
+
+expert_parallel.with_experts = with_experts
 real_cleanup = expert_parallel.cleanup
 
 

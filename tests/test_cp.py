@@ -33,7 +33,8 @@ STEPS = 4
 TRAIN = 24  # the resume test's training set: 2 steps an epoch, STEPS steps cross into epoch 1
 # AdamW steps that move the weights far beyond the tolerances, with clipping at work
 # (the gradient norms are above 0.5) so that the global norm is checked as well.
-FAST = [*SYNTHETIC, "--warmup", "0", "--lr", "0.5", "--clip-grad", "0.05", *DIST_TIMEOUT]
+FAST = [*SYNTHETIC, "--model", "vit", "--warmup", "0", "--lr", "0.5", "--clip-grad", "0.05"]
+FAST += DIST_TIMEOUT
 
 
 def probe_argv(reports, *flags, dp=1, train=()):
@@ -154,12 +155,18 @@ def saved_bytes(storages):  # as benchmarks/sharding.py: a storage once, no weig
 torch.manual_seed(1)
 images = torch.randn(6, 1, 28, 28)
 runs = {}
+chunks = cp.layout(28, world, "contiguous")  # each process its rows
 for impl in ("one", "ring", "allgather"):
     torch.manual_seed(0)
-    model = cp.LongViT(1, 10, 28, 96, 4, None if impl == "one" else group, impl)
+    split = impl != "one"
+    mine = chunks[dist.get_rank()] if split else None
+    model = cp.LongViT(1, 10, 28, 96, 4, group if split else None, mine)
+    if split:
+        cp.split_attention(model, group, impl, chunks, causal=False)
+    rows = cp.own(images, chunks[dist.get_rank()], 2) if split else images
     storages, sends[:] = {}, []
     with CommDebugMode() as forward, saved_bytes(storages):
-        logits = model(images)
+        logits = model(rows)
     forward_sends = sum(sends)
     sends[:] = []
     with CommDebugMode() as backward:
@@ -172,7 +179,7 @@ for impl in ("one", "ring", "allgather"):
             counts[f"{phase} {str(op).split('.')[-1]}"] = n
     report[impl] = dict(counts, activations=sum(storages.values()))
     with torch.no_grad():  # an empty batch (evaluation's padding) goes through as well
-        assert model(images[:0]).shape == (0, 10)
+        assert model(rows[:0]).shape == (0, 10)
 # With CP, each process's gradients are CP times its tokens' share (see LongViT.forward):
 # summed over the group they are the whole one. The logits are whole on every process.
 for impl in ("ring", "allgather"):
@@ -245,7 +252,7 @@ def test_resume_at_another_degree_ends_where_one_run_ends(tmp_path):
 
 
 def eval_only(nproc, checkpoint, *flags):
-    argv = ["context_parallel.py", *SYNTHETIC, "--batch-size", "83", *flags]
+    argv = ["context_parallel.py", *SYNTHETIC, "--model", "vit", "--batch-size", "83", *flags]
     argv += ["--eval-only", "--resume", checkpoint]
     proc = run_python(argv) if nproc == 1 else torchrun_workers(nproc, argv)
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("eval ")]
@@ -278,7 +285,8 @@ def test_evaluation_is_exact_at_1_2_and_4_processes_and_the_export_loads_alone(c
 @pytest.mark.slow
 def test_cp_degree_that_does_not_divide_the_tokens_is_one_line_on_every_rank():
     errors = one_line_errors("context_parallel.py", [*FAST, "--dist-timeout", "100"], world=3)
-    assert all("CP degree 3 must divide the 28 tokens" in e for e in errors), errors
+    cut = "CP degree 3: --cp-balance contiguous cuts the 28 tokens into 3 chunks"
+    assert all(cut in e for e in errors), errors
 
 
 @pytest.mark.parametrize(
@@ -301,30 +309,38 @@ def test_impossible_mesh_is_refused_before_any_collective(no_launcher, flags, wo
 @pytest.mark.slow
 def test_a_checkpoint_of_another_model_is_one_line_on_every_rank(tmp_path, cp2):
     """Asked of a checkpoint it does not fit. (A single-file checkpoint and a missing piece are
-    common.resume_sharded's checks, the same for the four sharded scripts: test_fsdp.py.)"""
+    checkpoint.find_checkpoint's checks, the same for the four sharded scripts: test_fsdp.py.)"""
     out = tmp_path / "out"
     argv = [*FAST, "--dim", "64", "--resume", cp2[1] / "checkpoint", "--output-dir", out]
     argv += ["--batch-size", "12", "--dist-timeout", "100"]
     errors = one_line_errors("context_parallel.py", argv)
-    assert "holds a vit of 28 tokens, --dim 96 --heads 4" in errors[0] and len(set(errors)) == 1, (
-        errors
-    )
+    shape = "'blocks.0.attn.k.weight' is (96, 96) in the file, (64, 64) in the model"
+    assert shape in errors[0] and len(set(errors)) == 1, errors
     assert not out.exists() or not any(out.iterdir())  # nothing written
 
 
-def test_a_checkpoint_of_the_16_token_vit_is_refused(tmp_path):
-    """tensor_parallel.py's and fsdp_train.py's meta.pt name a "vit" without tokens: 16."""
-    (tmp_path / "meta.pt").parent.mkdir(exist_ok=True)
-    torch.save(dict(args=dict(model="vit", dim=96, heads=4)), tmp_path / "meta.pt")
-    args = context_parallel.get_args([])
-    with pytest.raises(SystemExit, match="holds a vit of 16 tokens"):
-        context_parallel.read_meta(tmp_path, args, 28)
+def test_a_checkpoint_of_fsdp_trains_16_token_vit_is_one_line(tmp_path):
+    """A real fsdp_train.py checkpoint of the ViT of 16 tokens (its positions do not fit 28
+    rows): one line, no traceback. (Before, a KeyError: its meta.pt had no --dim.)"""
+    out = tmp_path / "fsdp"
+    run_python(["fsdp_train.py", *SYNTHETIC, "--max-steps", "1", "--output-dir", out])
+    argv = [*SYNTHETIC, "--model", "vit", "--resume", out / "checkpoint"]
+    proc = run_python(["context_parallel.py", *argv], check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {out / 'checkpoint'} does not fit this model: 'patch_embed.weight' is"
+        " (96, 1, 7, 7) in the file, (96, 1, 1, 28) in the model"
+    )
 
 
 def test_docstring_launches_make_a_valid_mesh(no_launcher, monkeypatch):
     """Every torchrun command in the docstring passes the mesh and token checks at its number
     of processes."""
-    assert docstring_launches_reach_the_mesh(context_parallel, monkeypatch) == [2, 4, 8]
+    real_load = context_parallel.load_datasets  # text: the default; images: synthetic ones
+    load = lambda name, *a, **k: real_load(name if name == "text" else "synthetic", *a, **k)  # noqa: E731
+    monkeypatch.setattr(context_parallel, "load_datasets", load)
+    worlds = docstring_launches_reach_the_mesh(context_parallel, monkeypatch, extra=[])
+    assert worlds == [2, 2, 4, 8]
 
 
 def test_refusals(no_launcher):
@@ -347,3 +363,84 @@ def test_benchmark_times_cp_beside_one_process_and_fsdp(tmp_path):
     assert 0.5 <= by["cp 2 ring"]["activations"] / one < 0.52, rows
     assert 0.5 <= by["fsdp 2"]["activations"] / one < 0.52, rows  # half the batch each
     assert by["cp 2 allgather"]["activations"] > by["cp 2 ring"]["activations"], rows
+
+
+RING = """
+import json, sys, torch, torch.distributed as dist, torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+import context_parallel as cp
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+N, H, T, D = 2, 2, 32, 8
+sent = [0]
+real_batch = dist.batch_isend_irecv
+def batch(ops):  # the bytes this process sends around the ring
+    sends = [op.tensor for op in ops if op.op is dist.isend]
+    sent[0] += sum(t.numel() * t.element_size() for t in sends)
+    return real_batch(ops)
+dist.batch_isend_irecv = batch
+def run(mine, dout, group, chunks):
+    sent[0] = 0
+    with FlopCounterMode(display=False) as forward:
+        out = cp.RingAttention.apply(*mine, group, chunks, True)
+    forward_bytes, sent[0] = sent[0], 0
+    with FlopCounterMode(display=False) as backward:
+        out.backward(dout)
+    flops = [forward.get_total_flops(), backward.get_total_flops()]
+    return out, flops, [forward_bytes, sent[0]]
+report = {}
+for size in (2, 4):  # CP 2 twice side by side (ranks 0-1, 2-3), then CP 4
+    groups = [dist.new_group(list(range(s, s + size))) for s in range(0, world, size)]
+    group, me = groups[rank // size], rank % size
+    torch.manual_seed(0)
+    q, k, v, dout = (torch.randn(N, H, T, D) for _ in range(4))
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    F.scaled_dot_product_attention(*whole, is_causal=True).backward(dout)
+    reference = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    for balance in ("contiguous", "zigzag"):
+        chunks = cp.layout(T, size, balance)
+        part = lambda t: cp.own(t, chunks[me], 2)
+        mine = [part(t).requires_grad_() for t in (q, k, v)]
+        out, flops, sent_fp32 = run(mine, part(dout), group, chunks)
+        errors = [(out - part(reference)).abs().max().item()]
+        errors += [(m.grad - part(w.grad)).abs().max().item() for m, w in zip(mine, whole)]
+        half = [part(t).bfloat16().requires_grad_() for t in (q, k, v)]
+        _, _, sent_bf16 = run(half, part(dout).bfloat16(), group, chunks)
+        report[f"{size} {balance}"] = dict(flops=flops, error=max(errors))
+        report[f"{size} {balance}"].update(fp32=sent_fp32, bf16=sent_bf16)
+reports = [None] * world
+dist.all_gather_object(reports, report)
+if rank == 0:
+    print(json.dumps(reports))
+dist.destroy_process_group()
+"""
+
+
+def test_causal_ring_computes_what_it_must_balances_and_sends_bf16(tmp_path):
+    """The causal ring at CP 2 (two groups) and CP 4, both balances, a batch of 2 x 2 heads x 32
+    tokens x 8: each rank's output and gradients equal one process's causal attention at its
+    positions; its attention FLOPs are those of the blocks it must compute: a key chunk after
+    a query chunk skipped, the diagonal computed under its mask. Per (query rows x key
+    columns), 4 x N x H x D in forward (scores, weighted values), 10 in backward. Contiguous:
+    process r computes r + 1 blocks of (T/CP)^2; zigzag: every process 2 CP + 1 of
+    (T/2CP)^2, the same work. K/V travel in their dtype (bf16: half the bytes); the gradient
+    accumulator that goes round in backward stays fp32."""
+    (tmp_path / "ring.py").write_text(RING)
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
+    proc = run_python([*launch, tmp_path / "ring.py"], env=clean_env(PYTHONPATH=str(ROOT)))
+    reports = json.loads(proc.stdout.strip().splitlines()[-1])
+    n, h, t, d = 2, 2, 32, 8
+    for rank, report in enumerate(reports):
+        for size in (2, 4):
+            me = rank % size
+            for balance, cells in (
+                ("contiguous", (me + 1) * (t // size) ** 2),
+                ("zigzag", (2 * size + 1) * (t // (2 * size)) ** 2),
+            ):
+                got = report[f"{size} {balance}"]
+                assert got["error"] < 1e-5, (rank, size, balance, got)
+                assert got["flops"] == [4 * n * h * d * cells, 10 * n * h * d * cells], (rank, got)
+                block = 2 * n * h * (t // size) * d  # K and V of one process, numbers
+                fp32 = [4 * block * (size - 1), 4 * block * (size - 1) + 4 * block * size]
+                assert got["fp32"] == fp32, (rank, size, balance, got)
+                assert got["bf16"] == [fp32[0] // 2, 2 * block * (size - 1) + 4 * block * size]

@@ -13,6 +13,7 @@ The quick test reads the commands and passes each one's flags through its script
 checks; the slow one runs them.
 """
 
+import argparse
 import ast
 import importlib
 import re
@@ -84,9 +85,18 @@ def smallest(script, argv, images):
             continue
         out.append(flag)
         i += 1
+    # A named image data set becomes the synthetic one; text, a small corpus (the GPT's data:
+    # context_parallel.py's default, or --data text).
+    out = ["synthetic" if f in ("fashion-mnist", "mnist", "cifar10") else f for f in out]
     given = set(out)
     extra = [(f, v) for f, v in SMALL.items() if f not in given and takes(f)]
-    if "--data" not in given and takes("--data"):
+    text = "text" in given or (script == "context_parallel.py" and "vit" not in given)
+    if text:
+        corpus = Path(images).parent / "corpus.txt"
+        if not corpus.exists():  # 16,000 bytes of UTF-8 text
+            corpus.write_bytes(Path(argparse.__file__).read_bytes()[:16000])
+        extra += [("--data-dir", str(corpus)), ("--seq-len", "32")]
+    elif "--data" not in given and takes("--data"):
         extra.append(("--data", "synthetic"))
     if takes("--device"):
         extra.append(("--device", "cpu"))

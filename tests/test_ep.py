@@ -4,6 +4,7 @@ the all-to-all sizes, resume at another degree, exact evaluation, the export, th
 bad input, and the benchmark in a small form. All on CPU with gloo."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from conftest import (
     ROOT,
     SYNTHETIC,
     clean_env,
+    moe_vit,
     one_line_errors,
     read_metrics,
     run_python,
@@ -55,7 +57,7 @@ def whole(out):
 
 def initial():
     models.seed_everything(0)  # what expert_parallel.py builds first
-    return expert_parallel.MoEViT(1, 10, 28, 96, 4, EXPERTS, K, 1.0).state_dict()
+    return moe_vit(EXPERTS, K, 1.0).state_dict()
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +230,7 @@ def test_evaluation_is_exact_at_every_degree_and_the_export_loads_alone(ep2):
     2 x EP 2 (the ranks' numbers of batches uneven), the same. (EP 4's evaluation: the test
     loss and accuracy that test_ep4_... compares with one process's.)"""
     _, out = ep2
-    model = expert_parallel.MoEViT(1, 10, 28, 96, 4, EXPERTS, K, 1.0)
+    model = moe_vit(EXPERTS, K, 1.0)
     model.load_state_dict(whole(out))
     _, test_set, _, _ = data.load_datasets("synthetic", "data")
     loader = torch.utils.data.DataLoader(test_set, 256, collate_fn=data.collate)
@@ -278,15 +280,13 @@ def test_refusals(no_launcher):
 @pytest.mark.slow
 def test_a_checkpoint_of_another_model_is_one_line_on_every_rank(tmp_path, ep2):
     """Asked of a checkpoint it does not fit. (A single-file checkpoint and a missing piece are
-    common.resume_sharded's checks, the same for the four sharded scripts: test_fsdp.py.)"""
+    checkpoint.find_checkpoint's checks, the same for the four sharded scripts: test_fsdp.py.)"""
     out = tmp_path / "out"
     argv = [*FAST, "--experts", "4", "--resume", ep2[1] / "checkpoint", "--output-dir", out]
     argv += ["--batch-size", "6", "--dist-timeout", "100"]
     errors = one_line_errors("expert_parallel.py", argv)
-    assert (
-        "holds a moe-vit of --dim 96 --heads 4 --experts 8 --top-k 2" in errors[0]
-        and len(set(errors)) == 1
-    ), errors
+    shape = "'blocks.0.mlp.b1' is (8, 192) in the file, (4, 192) in the model"
+    assert shape in errors[0] and len(set(errors)) == 1, errors
     assert not out.exists() or not any(out.iterdir())  # nothing written
 
 
@@ -365,7 +365,7 @@ def test_benchmark_counts_the_bytes_each_process_sends():
         cells = [c.strip() for c in line.strip("|").split("|")]
         rows[cells[1]] = [float(c) for c in cells[2:7]]  # params, a2a, all-reduce, sent, ms
     ep, moe, dense = rows["moe ep"], rows["moe ddp"], rows["dense ddp"]
-    model = expert_parallel.MoEViT(1, 10, 28, 96, 4, EXPERTS, K, 1.25)
+    model = moe_vit(EXPERTS, K, 1.25)
     mb = lambda n: pytest.approx(n * 4 / 2**20, abs=0.002)  # noqa: E731 - printed to 0.001
     experts = sum(
         p.numel() for n, p in model.named_parameters() if n[-2:] in ("w1", "b1", "w2", "b2")
@@ -399,3 +399,88 @@ def test_each_epoch_takes_a_new_order(tmp_path):
             sampler.set_epoch(step // 2)
             order = list(sampler)[(step % 2) * 500 : (step % 2 + 1) * 500]
             assert torch.equal(got, labels[order]), (rank, step)
+
+
+@pytest.mark.parametrize("samples, tokens", [(3, 16), (2, 32)], ids=["images", "text"])
+def test_an_expert_takes_at_most_c_of_a_samples_choices_first_choices_first(samples, tokens):
+    """The capacity rule itself, against the rule written out here choice by choice: an expert
+    takes at most C = ceil(capacity factor x k x tokens / E) of a sample's choices (an image's
+    16 patches, a sequence's 32 bytes), every first choice before any second, in token order;
+    the rest are dropped. One process and N share route(), so the parity tests cannot see
+    the rule itself (C + 1 passes them all)."""
+    torch.manual_seed(0)
+    moe = expert_parallel.MoE(96, EXPERTS, K, 1.0)
+    _, expert, _, kept = moe.route(torch.randn(samples, tokens, 96))
+    expert, kept = expert.view(samples, tokens, K), kept.view(samples, tokens, K)
+    capacity = math.ceil(1.0 * K * tokens / EXPERTS)
+    for s in range(samples):
+        want, taken = torch.zeros(tokens, K, dtype=torch.bool), [0] * EXPERTS
+        for choice in range(K):  # every first choice, in token order, then every second
+            for t in range(tokens):
+                e = expert[s, t, choice].item()
+                want[t, choice], taken[e] = taken[e] < capacity, taken[e] + (taken[e] < capacity)
+        assert torch.equal(kept[s], want), s
+    assert kept.any() and not kept.all()  # the rule binds: some choices dropped, most kept
+
+
+SYNCS = """
+import json, sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed.device_mesh import init_device_mesh
+import expert_parallel as ep, models
+aten = torch.ops.aten
+# What makes the host wait for a GPU: a value read (item, tolist), a size only the device
+# knows (nonzero and boolean indexing, bincount, repeat_interleave without output_size).
+WAITS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.bincount.default,
+         aten.masked_select.default, aten.unique_consecutive.default}
+class Waits(TorchDispatchMode):
+    count = 0
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        bool_index = func is aten.index.Tensor and any(
+            getattr(i, "dtype", None) is torch.bool for i in args[1])
+        unsized = func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None
+        Waits.count += func in WAITS or bool_index or unsized
+        return func(*args, **kwargs)
+real_tolist = torch.Tensor.tolist
+def tolist(self):  # on CUDA one copy to the host and a wait (not dispatched on a CPU)
+    Waits.count += 1
+    return real_tolist(self)
+torch.Tensor.tolist = tolist
+sent = []  # the dtype of every row exchanged
+real_a2a = ep.all_to_all_single_autograd
+ep.all_to_all_single_autograd = lambda h, *a: sent.append(h.element_size()) or real_a2a(h, *a)
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "ep"))
+report = {}
+for name, amp in (("fp32", False), ("bf16", True)):
+    torch.manual_seed(0)
+    model = ep.with_experts(models.GPT(256, 32, 96, depth=2, heads=4), 8, 2, 1.25)
+    ep.shard_experts(model, mesh)
+    tokens = torch.randint(0, 256, (4, 32))
+    moes = [block.mlp for block in model.blocks]
+    sent[:] = []
+    with Waits():
+        Waits.count = 0
+        with torch.autocast("cpu", torch.bfloat16, enabled=amp):
+            loss = model(tokens).float().square().mean() + ep.balance_loss(moes)
+        loss.backward()
+    report[name] = dict(waits=Waits.count, blocks=len(moes), sent=list(sent))
+if dist.get_rank() == 0:
+    print(json.dumps(report))
+dist.destroy_process_group()
+"""
+
+
+def test_one_host_sync_per_layer_and_bf16_rows_under_amp(tmp_path):
+    """EP 2, a 2-block MoE GPT, one forward and backward: at most one wait for the device per
+    layer (the all-to-all's sizes), counted from the operations that make a GPU's host wait;
+    under --amp bf16 the rows travel in bf16 both ways (half the bytes), else in fp32."""
+    (tmp_path / "syncs.py").write_text(SYNCS)
+    proc = torchrun_workers(2, [tmp_path / "syncs.py", ROOT])
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, size in (("fp32", 4), ("bf16", 2)):
+        got = report[name]
+        assert got["waits"] <= got["blocks"], got
+        assert got["sent"] == [size] * 2 * got["blocks"], got  # out and back, each block

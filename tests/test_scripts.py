@@ -15,12 +15,12 @@ from conftest import (
     assert_state_close,
     load_ckpt,
     max_abs_diff,
+    moe_vit,
     read_metrics,
     run_python,
     torchrun,
 )
 
-import expert_parallel
 import models
 
 CHECKPOINT_KEYS = {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "rng"}
@@ -146,7 +146,8 @@ def test_tensor_context_and_expert_parallel_each_train_on_two_processes(tmp_path
     counts add up to every choice of every token over both processes, each counted once."""
     driver = tmp_path / "three.py"
     driver.write_text(THREE_RUNS.format(root=str(ROOT)))
-    flags = [*SYNTHETIC, "--max-steps", "2", "--batch-size", "8", "--dist-timeout", "60"]
+    flags = [*SYNTHETIC, "--model", "vit", "--max-steps", "2", "--batch-size", "8"]
+    flags += ["--dist-timeout", "60"]
     torchrun(2, [driver, tmp_path, *flags])
     for name in ("tensor_parallel", "context_parallel", "expert_parallel"):
         [record] = read_metrics(tmp_path / name)
@@ -158,7 +159,7 @@ def test_tensor_context_and_expert_parallel_each_train_on_two_processes(tmp_path
 
     models.ViT(1, 10, 28).load_state_dict(whole(tmp_path / "tensor_parallel"))
     models.ViT(1, 10, 28, patch=(1, 28)).load_state_dict(whole(tmp_path / "context_parallel"))
-    moe = expert_parallel.MoEViT(1, 10, 28, 96, 4, 8, 2, 1.25)
+    moe = moe_vit(8, 2, 1.25)
     moe.load_state_dict(whole(tmp_path / "expert_parallel"))
     choices = 2 * 16 * 16 * 2  # steps x global batch x tokens an image x top-k
     for took, dropped in zip(record["expert_tokens"], record["dropped_tokens"], strict=True):

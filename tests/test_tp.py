@@ -305,12 +305,12 @@ def test_impossible_mesh_is_refused_before_any_collective(no_launcher, flags, wo
 @pytest.mark.slow
 def test_a_checkpoint_of_another_model_is_one_line_on_every_rank(tmp_path, tp2):
     """Asked of a checkpoint it does not fit. (A single-file checkpoint and a missing piece are
-    common.resume_sharded's checks, the same for the four sharded scripts: test_fsdp.py.)"""
+    checkpoint.find_checkpoint's checks, the same for the four sharded scripts: test_fsdp.py.)"""
     out = tmp_path / "out"
     argv = [*FAST, "--dim", "64", "--resume", tp2[1] / "checkpoint", "--output-dir", out]
     argv += ["--batch-size", "12", "--dist-timeout", "100"]
     errors = one_line_errors("tensor_parallel.py", argv)
-    assert "holds a vit of --dim 96 --heads 4" in errors[0], errors
+    assert "'blocks.0.attn.k.weight' is (96, 96) in the file, (64, 64)" in errors[0], errors
     assert len(set(errors)) == 1, errors  # the same line on every rank
     assert not out.exists() or not any(out.iterdir())  # nothing written
 

@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import tensor_parallel  # noqa: E402
-from data import InMemoryDataset  # noqa: E402
 
 reports, *train = sys.argv[1 : sys.argv.index("--")]
 argv = sys.argv[sys.argv.index("--") + 1 :]
@@ -45,7 +44,7 @@ def load_datasets(*args, **kwargs):
     train_set, *rest = real_load(*args, **kwargs)
     if train:
         n = int(train[0])
-        train_set = InMemoryDataset(train_set.images[:n], train_set.labels[:n], train_set.classes)
+        train_set = torch.utils.data.Subset(train_set, range(n))  # images or text windows
     return train_set, *rest
 
 
@@ -82,20 +81,23 @@ def adamw(params, *args, **kwargs):
 
 torch.optim.AdamW = adamw
 model_params = []
-real_vit = tensor_parallel.ViT
+real_build = tensor_parallel.build_model
 
 
-class ViT(real_vit):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        model_params.append(None)  # filled when the optimizer is made (after the split)
+def build_model(*args, **kwargs):
+    model = real_build(*args, **kwargs)
 
-    def parameters(self, *args, **kwargs):
-        model_params[-1] = list(self.named_parameters())
-        return super().parameters(*args, **kwargs)
+    class Named(type(model)):
+        def parameters(self, *args, **kwargs):  # called by the optimizer, after the split
+            model_params[-1] = list(self.named_parameters())
+            return super().parameters(*args, **kwargs)
+
+    model.__class__ = Named
+    model_params.append(None)  # filled when the optimizer is made
+    return model
 
 
-tensor_parallel.ViT = ViT
+tensor_parallel.build_model = build_model
 real_cleanup = tensor_parallel.cleanup
 
 
