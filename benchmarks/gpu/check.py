@@ -224,9 +224,10 @@ def run_bounded(cmd, timeout, env=None, cwd=ROOT, start=start_fresh, grace=GRACE
     (start(cmd, cwd, env) must give it one); on timeout stop_tree, with the stacks."""
     cmd = list(map(str, cmd))
     folder = tempfile.mkdtemp(prefix="stacks-")
-    t0, proc = time.monotonic(), None
+    proc = None
     try:
         proc = start(cmd, cwd, with_stack_dumps(dict(env or os.environ), folder))
+        t0 = time.monotonic()  # the command's own time (not a fork server's start)
         LIVE.add(proc)
         try:
             out, err = proc.communicate(timeout=timeout)
@@ -701,7 +702,9 @@ def phase_step(c):
 
 # ---- e: tests/test_gpu.py
 
+# The tests that failed last time (2026-11-26, H200), and the one that says TF32 is off.
 FAILED_LAST = "channels_last or model_parallel_devices or fsdp_bf16_and_cpu_offload or equals_cpu"
+FAILED_LAST += " or without_tf32"
 
 
 def phase_tests(c):
