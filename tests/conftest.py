@@ -93,10 +93,11 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"fork server: {forked} commands forked, {fresh} started fresh")
 
 
-def popen(cmd, cwd=ROOT, env=None):
+def popen(cmd, cwd=ROOT, env=None, new_session=False):
     """subprocess.Popen(CMD, stdin=DEVNULL, stdout=PIPE, stderr=PIPE, text=True), CMD a
     `python ...` command line, started by the fork server (forkserver.py: torch already
-    imported, 2-3 s less a start) unless FRESH_PROCESSES=1 or the command needs a fresh one."""
+    imported, 2-3 s less a start) unless FRESH_PROCESSES=1 or the command needs a fresh one.
+    new_session: in a session and process group of its own (start_new_session=True)."""
     global _server
     env = env or clean_env()
     if _server is None and not FRESH:
@@ -105,7 +106,7 @@ def popen(cmd, cwd=ROOT, env=None):
     forked = cmd[0] == sys.executable and _server and not _server.needs_fresh(cmd[1:], env)
     STARTS[bool(forked)] += 1
     if forked:
-        return _server.popen(cmd, cwd, env)
+        return _server.popen(cmd, cwd, env, new_session)
     return subprocess.Popen(
         cmd,
         cwd=cwd,
@@ -114,6 +115,7 @@ def popen(cmd, cwd=ROOT, env=None):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=new_session,
     )
 
 

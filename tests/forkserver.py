@@ -10,8 +10,11 @@ multiprocessing's spawn and torch.multiprocessing find it.
 
 What differs from a fresh interpreter, and how it is handled:
 - Variables read when torch is imported (TORCH_*, PYTORCH_*, OMP_* but OMP_NUM_THREADS, CUDA_*,
-  PYTHON* but PYTHONPATH, ...): a command whose environment changes one of them gets a fresh
+  PYTHON* but PYTHONPATH, NVIDIA_* such as NVIDIA_TF32_OVERRIDE, read by the CUDA libraries
+  when they load, ...): a command whose environment changes one of them gets a fresh
   interpreter instead (`needs_fresh`).
+- A sitecustomize module that the command's PYTHONPATH brings: the child imports it, as
+  Python's start-up would (the server's own, imported before the fork, is not the child's).
 - OMP_NUM_THREADS, read by OpenMP when torch loads: the child sets torch's threads from it.
 - Python's `random` state, copied by fork: Python reseeds it in a forked child itself.
 - The end: Python's own (threads joined, atexit handlers, streams flushed, the exit status of
@@ -27,6 +30,8 @@ FRESH_PROCESSES=1 turns the server off: every command then starts a fresh interp
 import atexit
 import contextlib
 import gc
+import importlib
+import importlib.machinery
 import json
 import os
 import re
@@ -45,7 +50,7 @@ import types
 
 # Read when torch or Python starts: a change to one needs a fresh interpreter.
 READ_AT_START = re.compile(
-    r"(TORCH|PYTORCH|TORCHINDUCTOR|CUDA|NCCL|KMP|MKL|GOMP|LD)_\w*|OMP_(?!NUM_THREADS$)\w+"
+    r"(TORCH|PYTORCH|TORCHINDUCTOR|CUDA|NCCL|NVIDIA|KMP|MKL|GOMP|LD)_\w*|OMP_(?!NUM_THREADS$)\w+"
     r"|PYTHON(?!PATH$)\w*"
 )
 # The server's own PYTHONPATH entries: a child's sys.path takes those of its request instead.
@@ -114,6 +119,8 @@ def child(request, fds):
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
+    if request.get("new_session"):  # as Popen(start_new_session=True): a group of its own
+        os.setsid()
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -124,19 +131,20 @@ def child(request, fds):
     args = request["args"]
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = extra + [p for p in sys.path[1:] if p not in BASE_PATH_EXTRA]
+    # what `python ARGS` has when sitecustomize runs (runpy then sets -m's argv[0] to the file)
+    sys.orig_argv = [sys.executable, *args]
+    sys.argv = [args[0], *args[2:]] if args[0] in ("-m", "-c") else list(args)
     code = 0
     try:
+        sitecustomize(extra)
         if args[0] == "-m":
-            sys.argv = [args[1], *args[2:]]
             sys.path.insert(0, os.getcwd())
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)
         elif args[0] == "-c":
-            sys.argv = ["-c", *args[2:]]
             sys.path.insert(0, "")
             sys.modules["__main__"] = main = types.ModuleType("__main__")
             exec(compile(args[1], "<string>", "exec"), main.__dict__)
         else:
-            sys.argv = list(args)
             sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
             runpy.run_path(args[0], run_name="__main__")
     except SystemExit as e:
@@ -159,6 +167,21 @@ def child(request, fds):
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code & 0xFF)
+
+
+def sitecustomize(paths):
+    """What Python's start-up does with a sitecustomize module that PYTHONPATH (`paths`) brings:
+    import it, and on an error print one line and go on (site.execsitecustomize)."""
+    if importlib.machinery.PathFinder.find_spec("sitecustomize", paths) is None:
+        return
+    sys.modules.pop("sitecustomize", None)
+    try:
+        importlib.import_module("sitecustomize")
+    except Exception as err:
+        sys.stderr.write(
+            "Error in sitecustomize; set PYTHONVERBOSE for traceback:\n"
+            f"{type(err).__name__}: {err}\n"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,8 +212,8 @@ class Server:
         first = str(args[0])
         return first.startswith("-") and first not in ("-m", "-c")  # python -u, -X ...: fresh
 
-    def popen(self, args, cwd, env):
-        return Forked(self.path, args, cwd, env)
+    def popen(self, args, cwd, env, new_session=False):
+        return Forked(self.path, args, cwd, env, new_session)
 
     def close(self):
         self.proc.kill()
@@ -200,9 +223,11 @@ class Server:
 
 class Forked:
     """What subprocess.Popen(ARGS, stdin=DEVNULL, stdout=PIPE, stderr=PIPE, text=True) gives,
-    for a child of the fork server: pid, poll, wait, communicate, kill, send_signal."""
+    for a child of the fork server: pid, poll, wait, communicate, kill, send_signal.
+    new_session: the child starts a session (and process group) of its own, as with
+    Popen(start_new_session=True)."""
 
-    def __init__(self, path, args, cwd, env):
+    def __init__(self, path, args, cwd, env, new_session=False):
         self.args, self.returncode = args, None
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -210,6 +235,7 @@ class Forked:
         self.conn = socket.socket(socket.AF_UNIX)
         self.conn.connect(path)
         request = dict(args=[str(a) for a in args[1:]], cwd=str(cwd), env=env)
+        request["new_session"] = new_session
         socket.send_fds(self.conn, [json.dumps(request).encode() + b"\n"], [null, out_w, err_w])
         for fd in (null, out_w, err_w):
             os.close(fd)

@@ -2,9 +2,12 @@
 torch each time) behave as fresh interpreters: the same view of their command, environment and
 threads, the same ending, the same training run to the bit."""
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import forkserver
 import pytest
@@ -80,7 +83,9 @@ def test_a_variable_read_when_torch_starts_gets_a_fresh_interpreter(monkeypatch)
     proc = popen([sys.executable, "-c", "pass"], env=plain)
     assert isinstance(proc, forkserver.Forked)
     proc.communicate()
-    for name in ("TORCH_LOGS", "CUDA_VISIBLE_DEVICES", "OMP_PROC_BIND", "PYTHONHASHSEED"):
+    # NVIDIA_TF32_OVERRIDE: read by cuBLAS and cuDNN when they load (test_gpu.py turns TF32 off)
+    names = ("TORCH_LOGS", "CUDA_VISIBLE_DEVICES", "OMP_PROC_BIND", "PYTHONHASHSEED")
+    for name in (*names, "NVIDIA_TF32_OVERRIDE"):
         proc = popen([sys.executable, "-c", "pass"], env=plain | {name: "1"})
         assert isinstance(proc, subprocess.Popen), name
         proc.communicate()
@@ -100,3 +105,71 @@ def test_a_forked_training_run_equals_a_fresh_one(tmp_path):
     timings = r" [\d.]+s [\d.]+ samples/s"
     logs = [re.sub(timings, "", r.stdout).replace(n, "") for r, n in zip(runs, names, strict=True)]
     assert logs[0] == logs[1] and "epoch 0: train_loss" in logs[0]
+
+
+# A sitecustomize module on PYTHONPATH: Python imports it at start-up, before the command runs
+# (benchmarks/gpu/check.py arms faulthandler through one). It prints what it sees of the command.
+SITECUSTOMIZE = {
+    "runs": "import os, sys\nprint('SITE', sys.argv, sys.orig_argv[1:], __name__)\n",
+    "raises": "raise ValueError('in sitecustomize')\n",
+}
+
+
+@pytest.mark.parametrize("kind", SITECUSTOMIZE)
+def test_a_sitecustomize_on_pythonpath_runs_in_a_forked_child_as_in_a_fresh_one(kind, tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE[kind])
+    script = tmp_path / "main.py"
+    script.write_text("import sys\nprint('main', sys.argv)\n")
+    env = clean_env(PYTHONPATH=str(tmp_path))
+    for args in ([script, "a"], ["-c", "import sys; print('main', sys.argv)", "b"]):
+        forked, fresh = (run(args, env, tmp_path, fresh) for fresh in (False, True))
+        assert forked.returncode == fresh.returncode == 0
+        assert (forked.stdout, forked.stderr) == (fresh.stdout, fresh.stderr)
+        assert ("SITE " in fresh.stdout) == (kind == "runs"), fresh.stdout
+        assert ("Error in sitecustomize" in fresh.stderr) == (kind == "raises"), fresh.stderr
+
+
+NEW_SESSION_PROBE = """
+import os, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+leads = os.getsid(0) == os.getpid() == os.getpgid(0)
+with open(sys.argv[1] + ".new", "w") as f:
+    f.write(f"{leads} {child.pid}")
+os.rename(sys.argv[1] + ".new", sys.argv[1])
+child.wait()
+"""
+
+
+def gone(pid):
+    """pid has ended (a zombie waiting for its parent counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["forked", "fresh"])
+def test_a_child_in_a_new_session_leads_a_group_that_one_signal_ends(fresh, tmp_path):
+    """new_session=True (benchmarks/gpu/check.py stops a stalled run by its process group):
+    forked as started fresh, the child leads a session and group of its own, so a signal to
+    the group ends the child and what it started, and not the tests or the fork server."""
+    report = tmp_path / "report"
+    cmd = [sys.executable, "-c", NEW_SESSION_PROBE, report]
+    if fresh:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    else:
+        proc = popen(cmd, new_session=True)
+        assert isinstance(proc, forkserver.Forked)
+    deadline = time.monotonic() + 30
+    while not report.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    leads, grandchild = report.read_text().split()
+    assert leads == "True", "the child does not lead a session and process group of its own"
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.communicate(timeout=10)
+    assert proc.returncode == -signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while not gone(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(grandchild), "what the child started survived the signal to its group"

@@ -14,10 +14,17 @@ the default suite does not do that (the other test files cover the CPU paths).
 
 Tests marked "2 GPUs" skip on a one-GPU machine: NCCL refuses two ranks on one device. With
 GPU_TESTS_ON_CPU=1 they run as 2 CPU processes (gloo).
+
+A GPU session's time is short: every run the tests start is bounded (BOUND), and one that
+outlives its bound is stopped with everything it started, after its Python stacks are taken;
+the test fails with them. Every run has TF32 off (ENV). benchmarks/gpu/check.py, run first in a
+session lent a GPU, measures what these tests compare; its README says what to do with it.
 """
 
+import atexit
 import contextlib
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -26,6 +33,8 @@ import subprocess
 import sys
 import threading
 
+import conftest
+import forkserver
 import pytest
 import torch
 import torch.nn as nn
@@ -38,7 +47,6 @@ from conftest import (
     load_ckpt,
     max_abs_diff,
     read_metrics,
-    run_python,
 )
 from torch.utils.data import DataLoader
 
@@ -60,7 +68,10 @@ GPUS = torch.cuda.device_count() if CUDA else 2
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs CUDA (GPU_TESTS_ON_CPU=1 runs on the CPU)")
 two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs: NCCL refuses two ranks on one GPU")
 
-TIMEOUT = 600  # torch.compile and CUDA start-up included
+# Seconds a run may take before it is stopped: a few steps with CUDA's start-up, and with
+# torch.compile's. Without a bound one stalled run ate a GPU session's time (2026-11-26:
+# test_fsdp_bf16_and_cpu_offload, over 330 s).
+BOUND, COMPILE_BOUND = 120, 240
 DATA = ["--data", "synthetic", "--device", DEVICE]
 BASE = [*DATA, *DIST_TIMEOUT]
 # The MLP has no BatchNorm: its runs compare closely across devices, precisions and world
@@ -84,8 +95,13 @@ CNN = [
 # Tolerances, as relative_error() (distance between two runs' weights over the distance they
 # moved from the start; a run that did not train, or trained something else, is near 1). On
 # the CPU: bf16 against fp32 0.017, fp16 with its GradScaler 0.008, fp16 gradient compression
-# 0.0003, compiled CNN against eager 0.0002, NHWC against NCHW 0.000003. On a GPU, cuDNN
-# picks other kernels per layout and rounds fp32 convolutions to TF32 (Ampere and later).
+# 0.0003, compiled CNN against eager 0.0002, NHWC against NCHW 0.000003. On a GPU cuDNN picks
+# other kernels per layout and device. With TF32 on (cuDNN's default for convolutions), an H200
+# measured NHWC against NCHW at 0.025 and model_parallel.py's CNN over cuda:0 and the CPU at
+# 0.066 (2026-11-26): TF32 rounds to 10 bits of mantissa, differently in each kernel. The runs
+# now have TF32 off (ENV), which should leave far less. CONV_TOL stays at 0.02 until a GPU run
+# measures the TF32-off values: set it from benchmarks/gpu/check.py's phase b ("TF32 off" and
+# "noise" columns, summary.md), with room above them, and say the device and date here.
 AMP_TOL, CONV_TOL = 0.05, 0.02
 # Keys of ddp_train.py's checkpoint (README, output contract).
 CKPT_KEYS = {
@@ -99,33 +115,131 @@ CKPT_KEYS = {
     "steps_per_epoch",
 }
 CKPT_KEYS |= {"world_size", "rng", "args"}
-# Environment of every run. cuBLAS gives the same bits run after run only with a fixed
-# workspace; NCCL_DEBUG=VERSION makes NCCL print one line when it creates a communicator.
-ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_DEBUG": "VERSION"}
+# Environment of every run. TF32 off, on both sides of every comparison: NVIDIA_TF32_OVERRIDE=0
+# turns it off in cuBLAS and cuDNN, which read it when they load (so a command with it starts
+# from a server that has it too, or fresh: forkserver.READ_AT_START). cuBLAS gives the same
+# bits run after run only with a fixed workspace. NCCL_DEBUG=VERSION makes NCCL print one line
+# when it creates a communicator.
+ENV = {"NVIDIA_TF32_OVERRIDE": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_DEBUG": "VERSION"}
+
+# benchmarks/gpu/check.py: bounded runs, their process trees and their stacks.
+_spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks/gpu/check.py")
+check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(check)
+_server = None  # a fork server of ENV's own (conftest's has the session's environment)
 
 
-def launch(script, flags, out=None, nproc=None, env=None):
-    """`python SCRIPT FLAGS`, or under torchrun --standalone with nproc processes."""
+def start(cmd, cwd, env):
+    """Start CMD in a session of its own (check.stop_tree ends its process group and tree):
+    forked from a server that imported torch with ENV where the command allows (forkserver.py),
+    else a fresh interpreter."""
+    global _server
+    if _server is None and not conftest.FRESH:
+        _server = forkserver.Server(conftest.SERVER_ENV | ENV)
+        atexit.register(_server.close)
+    forked = _server and cmd[0] == sys.executable and not _server.needs_fresh(cmd[1:], env)
+    conftest.STARTS[bool(forked)] += 1
+    if forked:
+        return _server.popen(cmd, cwd, env, new_session=True)
+    return check.start_fresh(cmd, cwd, env)
+
+
+def bounded(cmd, env, bound=BOUND, grace=check.GRACE):
+    """Run CMD for at most `bound` s (check.run_bounded); fails with its output, and where it
+    was stopped with every process's Python stacks."""
+    run = check.run_bounded(cmd, bound, env, cwd=ROOT, start=start, grace=grace)
+    command = " ".join(run.cmd)
+    if run.status == "timed out":
+        stacks = run.stacks[:30_000] or "(none written)"
+        raise AssertionError(
+            f"stopped after its bound of {bound:.0f} s ({run.seconds:.0f} s with the stop):\n"
+            f"{command}\n--- Python stacks when stopped\n{stacks}\n{run.tail()}"
+        )
+    if run.status != 0:
+        raise AssertionError(f"command failed:\n{command}\nexit {run.status}\n{run.tail()}")
+    return subprocess.CompletedProcess(run.cmd, run.status, run.stdout, run.stderr)
+
+
+def launch(script, flags, out=None, nproc=None, env=None, bound=None):
+    """`python SCRIPT FLAGS`, or under torchrun --standalone with nproc processes; bounded."""
     cmd = [script, *flags] + (["--output-dir", out] if out else [])
     if nproc:
         cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *cmd]
-    return run_python(cmd, env=clean_env(**ENV, **(env or {})), timeout=TIMEOUT)
+    bound = bound or (COMPILE_BOUND if "--compile" in cmd else BOUND)
+    return bounded([sys.executable, *map(str, cmd)], clean_env(**ENV, **(env or {})), bound)
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """run(script, flags, nproc=None) -> (output dir, CompletedProcess), made once per module
-    for each distinct command: several tests read the same run."""
+    for each distinct command: several tests read the same run. A run that failed or was
+    stopped fails every test that reads it, without being started again."""
     made = {}
 
     def get(script, flags, nproc=None):
         key = (script, tuple(map(str, flags)), nproc)
         if key not in made:
             out = tmp_path_factory.mktemp(script.removesuffix(".py"))
-            made[key] = out, launch(script, flags, out, nproc)
+            try:
+                made[key] = out, launch(script, flags, out, nproc)
+            except AssertionError as e:
+                made[key] = e
+        if isinstance(made[key], AssertionError):
+            raise AssertionError(f"(a run made for an earlier test) {made[key]}")
         return made[key]
 
     return get
+
+
+STALL = """
+import time
+def stalled_on_purpose():
+    while True:
+        time.sleep(1)
+stalled_on_purpose()
+"""
+
+
+@pytest.mark.skipif(CUDA, reason="the harness's own test: GPU_TESTS_ON_CPU=1 runs it")
+def test_a_stalled_launch_is_stopped_within_its_bound_with_its_stacks(tmp_path):
+    """A run that never ends, here a worker under torchrun (which starts it in a session of its
+    own) that sleeps forever, is stopped at its bound with the worker, and the failure holds
+    the Python stacks of both torchrun and the worker."""
+    script = tmp_path / "stall.py"
+    script.write_text(STALL)
+    with pytest.raises(AssertionError, match="stopped after its bound of 8 s") as failure:
+        launch(script, [], nproc=1, bound=8)
+    message = str(failure.value)
+    # 8 s, 1 s for the stacks, SIGTERM (SIGKILL after check.GRACE)
+    took = int(re.search(r"\((\d+) s with the stop\)", message)[1])
+    assert took < 8 + 1 + check.GRACE + 2, message
+    assert 'stall.py", line 5 in stalled_on_purpose' in message, message
+    assert "torch/distributed/elastic" in message, message  # torchrun's own stack
+    worker = re.search(r"pid (\d+): \S+ -u \S*stall\.py|pid (\d+): \S+ \S*stall\.py", message)
+    assert worker and not check.alive(int(worker[1] or worker[2])), "the worker outlived the stop"
+
+
+TF32_PROBE = """
+import os, torch
+import torch.nn.functional as F
+print(os.environ.get("NVIDIA_TF32_OVERRIDE"))
+if torch.cuda.is_available():  # an fp32 convolution against float64: TF32 leaves about 1e-3
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 64, 28, 28), torch.randn(64, 64, 3, 3)
+    got = F.conv2d(x.cuda(), w.cuda(), padding=1).cpu().double()
+    exact = F.conv2d(x.double(), w.double(), padding=1)
+    print(((got - exact).norm() / exact.norm()).item())
+"""
+
+
+def test_runs_compute_without_tf32():
+    """Every run has TF32 off (ENV), forked or fresh: on a GPU an fp32 convolution in a run is
+    exact to fp32's rounding (cuDNN's default, TF32, would leave about 1e-3)."""
+    proc = launch("-c", [TF32_PROBE])
+    lines = proc.stdout.split()
+    assert lines[0] == "0", "a run without NVIDIA_TF32_OVERRIDE=0"
+    if CUDA:
+        assert float(lines[1]) < 1e-5, f"TF32 in a run's convolution: error {lines[1]}"
 
 
 # ----------------------------------------------------------------------------------------
@@ -515,9 +629,8 @@ def test_dataparallel_replicas_compute_in_the_asked_dtype():
 @functools.cache
 def has_devices_flag():
     """Whether model_parallel.py has its one-process mode (--devices) in this version."""
-    proc = subprocess.run(
-        [sys.executable, "model_parallel.py", "--help"], cwd=ROOT, capture_output=True, text=True
-    )
+    cmd = [sys.executable, "model_parallel.py", "--help"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     return "--devices" in proc.stdout
 
 
@@ -610,7 +723,8 @@ def test_quantize_reads_a_cuda_checkpoint(run, tmp_path):
         "--runs",
         "2",
     ]
-    run_python(["quantize.py", *flags, "--json", report], env=clean_env(CUDA_VISIBLE_DEVICES=""))
+    cmd = [sys.executable, "quantize.py", *map(str, flags), "--json", str(report)]
+    bounded(cmd, clean_env(**ENV, CUDA_VISIBLE_DEVICES=""))
     rows = {r["method"]: r for r in json.loads(report.read_text())["results"]}
     [record] = read_metrics(out)
     assert rows["fp32"]["accuracy"] == pytest.approx(record["test_acc"], abs=2 / 499)
