@@ -171,7 +171,11 @@ def main(argv=None):
             model = build()
         initial = initial_state(build, args.seed, args.init_from, model)  # rank 0: the whole
         shard(model)
-        model.to_empty(device=torch.device("cpu") if args.cpu_offload else device)
+        offload = args.cpu_offload and info.distributed  # one process: no FSDP to offload
+        model.to_empty(device=torch.device("cpu") if offload else device)
+        for module in model.modules() if offload else ():  # FSDP offloads parameters:
+            for name, buffer in module.named_buffers(recurse=False):  # buffers (BatchNorm's
+                setattr(module, name, buffer.to(device))  # statistics) stay with the forward
         fill = StateDictOptions(full_state_dict=True, broadcast_from_rank0=info.distributed)
         set_model_state_dict(model, initial or {}, options=fill)  # all ranks participate
         raw_model = model  # no torch.compile wrapper

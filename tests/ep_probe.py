@@ -6,7 +6,8 @@ block's balancing loss (this rank's share), the norm that clip_grad_norm returne
 parameter's whole gradient as the optimizer is about to step (the experts gathered from their
 processes: all ranks participate). Every routing (each block's forward): the experts chosen
 per token and which choices fit. Every all-to-all of rows: the sizes sent and received. At
-the end, per parameter: its whole shape, this rank's piece (and the shapes of its AdamW state).
+the end, per parameter: its whole shape, this rank's piece (and the shapes of its AdamW state);
+and the device of each whole model built.
 """
 
 import os
@@ -21,7 +22,7 @@ import expert_parallel  # noqa: E402
 
 reports, argv = sys.argv[1], sys.argv[sys.argv.index("--") + 1 :]
 seen = dict(logits=[], labels=[], losses=[], aux=[], norms=[], grads=[], routes=[], sizes=[])
-seen["pieces"] = []
+seen["pieces"], seen["builds"] = [], []
 optimizers, models = [], []
 
 
@@ -103,6 +104,7 @@ real_with_experts = expert_parallel.with_experts
 
 def with_experts(*args, **kwargs):
     model = real_with_experts(*args, **kwargs)
+    seen["builds"].append(str(model.pos.device))  # where each whole model was built
     if model.pos.is_meta:  # the model trained (rank 0 also builds a CPU copy to fill it)
         models.append(model)
     return model

@@ -13,6 +13,7 @@ MODE crash-in-async-save: the second background save is started, then the proces
 MODE build: per fully_shard call, whether every parameter and buffer it got was on the meta
     device, and its mesh's device type; rank 0 also writes the whole model's state as built
     (gathered from the shards) to REPORTS/initial.pt.
+MODE groups: the timeout, in seconds, of every process group fsdp_train.py makes itself.
 Every mode: the indices the training sampler gave this rank, a list per epoch ("order").
 """
 
@@ -135,6 +136,15 @@ if "crash-in-async-save" in modes:
         return future
 
     dcp.async_save = async_save
+if "groups" in modes:
+    real_new_group = dist.new_group
+
+    def new_group(*args, **kwargs):
+        timeout = kwargs.get("timeout")
+        seen.setdefault("group_timeouts", []).append(timeout and timeout.total_seconds())
+        return real_new_group(*args, **kwargs)
+
+    fsdp_train.dist.new_group = new_group
 if "build" in modes:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

@@ -393,6 +393,17 @@ def test_resume_at_other_numbers_of_processes_and_with_hsdp_is_exact(tmp_path, r
     assert_same_training(out, references["vit"], "vit", resumed=True)
 
 
+def test_the_async_saves_gloo_group_ends_a_lost_peer_within_dist_timeout(tmp_path):
+    """--async-save's own gloo group gets --dist-timeout (gloo's default: 30 minutes, during
+    which a background save would wait for a dead peer)."""
+    argv = ["tests/fsdp_probe.py", "groups", tmp_path, "--", *FAST, "--model", "mlp"]
+    argv += ["--async-save", "--max-steps", "1", "--batch-size", "6"]
+    torchrun_workers(2, [*argv, "--output-dir", tmp_path / "out"])
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report["group_timeouts"] == [60.0], report  # FAST's --dist-timeout
+
+
 @pytest.mark.slow
 def test_a_crash_during_an_async_save_leaves_the_last_one_and_resume_is_exact(tmp_path):
     """--save-every 2 --async-save: the save at step 4 dies mid-write, after the one at step 2

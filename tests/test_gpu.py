@@ -761,6 +761,19 @@ def test_fsdp_bf16_and_cpu_offload(run):
     assert_same_training(state, reference, initial, AMP_TOL)
 
 
+@cuda_only
+def test_fsdp_cpu_offload_keeps_batchnorm_statistics_on_the_gpu(run):
+    """--cpu-offload with the CNN: the shards in CPU memory, BatchNorm's running statistics
+    (buffers, not offloaded by FSDP) on the GPU, where the forward runs and updates them.
+    Before: the meta build's to_empty on the CPU put them there, and the forward failed."""
+    flags = [*DIST_TIMEOUT, "--data", "synthetic", "--model", "cnn", "--batch-size", "32"]
+    flags += ["--max-steps", "3", "--device", DEVICE, "--cpu-offload"]
+    out, _ = run("fsdp_train.py", flags, nproc=1)  # torchrun: FSDP, even on one process
+    state = torch.load(out / "model.pt", map_location="cpu", weights_only=True)
+    moved = [k for k in state if "running_mean" in k]
+    assert moved and all(state[k].abs().sum() > 0 for k in moved)  # the statistics were updated
+
+
 def test_fsdp_device_cpu_init_from_and_bf16_batchnorm(run):
     """--device cpu on a machine with GPUs: the mesh, and so every shard, on the CPU (gloo; the
     default mesh would be CUDA's). --init-from a model.pt on the device: the shards filled by
