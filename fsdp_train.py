@@ -13,18 +13,17 @@ memory for its own pieces, filled by broadcast from rank 0's CPU copy (or --init
 Launch (--output-dir: one directory for all processes, on several nodes a shared one):
     python fsdp_train.py                                    # one process: nothing to shard
     torchrun --standalone --nproc_per_node=N fsdp_train.py  # N: this machine's GPUs
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
-        --rdzv-endpoint=HOST:29500 --rdzv-id=myjob fsdp_train.py \\
-        --replicate 2          # HSDP: shard within each node, replicate across the two
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+        --rdzv-id=myjob fsdp_train.py --replicate 2   # HSDP: shard in a node, replicate across
     torchrun --standalone --nproc_per_node=N fsdp_train.py --init-from model.pt  # fine-tune
+    torchrun --standalone --nproc_per_node=2 fsdp_train.py --data text --model gpt  # a GPT
 
-Every process writes its own shards of a checkpoint (torch.distributed.checkpoint), at each
-epoch's end and every --save-every steps (--async-save: in the background); a rerun with the
-same --output-dir resumes from it at any number of processes. OUTPUT_DIR/model.pt (and
---export PATH) holds the whole trained model for one process (quantize.py, finetune.py).
---batch-size is per process and micro-batch; --lr is the peak AdamW rate per 256 samples of
-the global batch (batch size x processes x --accum-steps).
+Every process writes its shards of a checkpoint (torch.distributed.checkpoint) each epoch and
+every --save-every steps (--async-save: in the background); a rerun resumes at any number of
+processes. OUTPUT_DIR/model.pt (and --export PATH) holds the whole model for one process.
+--batch-size is per process and micro-batch; --lr the peak AdamW rate per 256 samples.
 """
+
 
 import argparse
 import datetime

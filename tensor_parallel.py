@@ -16,6 +16,7 @@ Launch (--output-dir: one directory for all processes, on several nodes a shared
     torchrun --standalone --nproc_per_node=4 tensor_parallel.py --dp 2   # 2 x 2
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
         --rdzv-id=myjob tensor_parallel.py --dp 2 --heads 8   # on each node; TP 8 inside it
+    torchrun --standalone --nproc_per_node=2 tensor_parallel.py --data text --model gpt
 
 Checkpoints as in fsdp_train.py: every process writes its pieces, a rerun resumes at any TP
 and DP degree, model.pt holds the whole model. --batch-size is per TP group (its processes

@@ -318,7 +318,7 @@ def test_a_checkpoint_of_another_model_is_one_line_on_every_rank(tmp_path, tp2):
 def test_docstring_launches_make_a_valid_mesh(no_launcher, monkeypatch):
     """Every torchrun command in the docstring passes the mesh and heads checks at its number
     of processes."""
-    assert docstring_launches_reach_the_mesh(tensor_parallel, monkeypatch) == [2, 4, 16]
+    assert docstring_launches_reach_the_mesh(tensor_parallel, monkeypatch) == [2, 2, 4, 16]
 
 
 def test_refusals(no_launcher):
