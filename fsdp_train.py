@@ -24,7 +24,6 @@ processes. OUTPUT_DIR/model.pt (and --export PATH) holds the whole model for one
 --batch-size is per process and micro-batch; --lr the peak AdamW rate per 256 samples.
 """
 
-
 import argparse
 import datetime
 import functools
