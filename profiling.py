@@ -122,7 +122,7 @@ class Profiler:
         step_ms, waiting = step_time_and_waiting(trace)
         print(
             f"rank {self.rank}: profile of {steps} steps: {step_ms:.1f} ms a step, "
-            f"{waiting:.0%} of it waiting in collectives; largest: {top} (a step); {path}",
+            f"{waiting:.0%} of it waiting in collectives; largest per step: {top}; {path}",
             flush=True,
         )
 
@@ -225,7 +225,14 @@ def step_flops(model, example):
         if trainable:
             torch.autograd.grad(out.float().sum(), trainable)
 
-    return count_flops(forward_backward)
+    # In eval mode: the same products, without SyncBatchNorm's collectives or dropout's draws.
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        return count_flops(forward_backward)
+    finally:
+        for m, training in modes.items():
+            m.training = training
 
 
 def count_flops(fn):
