@@ -146,8 +146,9 @@ def read_trace(path):
     """A Chrome trace written by torch.profiler (.json or .json.gz) as a dict of intervals in
     microseconds on the trace's clock: "steps" [(start, end)] of each ProfilerStep; "compute"
     and "collectives" [(start, end, name, lane)], lane "cpu" (the threads that run operators)
-    or "gpu" (kernels); "annotations" [(start, end, name)] (record_function's ranges, on the GPU
-    where the trace has GPU time); "gpu": whether it holds kernels."""
+    or "gpu" (kernels); "annotations" [(start, end, name)] (record_function's ranges); "gpu":
+    whether it holds kernels. With kernels, the GPU's side of each: where the step's kernels,
+    NCCL's among them, ran (the CPU only queued them)."""
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
@@ -162,8 +163,8 @@ def read_trace(path):
             comm_spans.setdefault(e.get("tid"), []).append(span(e))
     for e in events:
         name, cat, (start, end) = e["name"], e.get("cat"), span(e)
-        if name.startswith("ProfilerStep#"):
-            out["steps"].append((start, end))
+        if name.startswith("ProfilerStep#"):  # on a GPU: the step's extent in kernels
+            out["steps"].append((start, end, cat == "gpu_user_annotation"))
         elif cat == ("gpu_user_annotation" if gpu else "user_annotation"):
             out["annotations"].append((start, end, name))
         elif name.startswith(COLLECTIVES):
@@ -172,7 +173,10 @@ def read_trace(path):
             inside = comm_spans.get(e.get("tid"), ())
             if not any(a <= start and end <= b for a, b in inside):
                 out["compute"].append((start, end, name, "gpu" if gpu else "cpu"))
-    out["steps"].sort()
+    on_gpu = [s for s in out["steps"] if s[2]]
+    out["steps"] = sorted(s[:2] for s in on_gpu or out["steps"])
+    nccl = [c for c in out["collectives"] if c[3] == "gpu"]
+    out["collectives"] = nccl or out["collectives"]
     return out
 
 

@@ -3,6 +3,7 @@ one line per rank, the same training with and without it; FLOPs against a count 
 peak table and MFU; the in-memory data set moved by InMemoryDataset.to keeps its batches."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -82,6 +83,29 @@ def test_peak_table_and_mfu(monkeypatch):
     assert rates == {"flops_per_second": 1.5e12, "mfu": 0.5}  # 1.5 of 6 x 0.5 TFLOP/s
 
 
+def test_a_gpu_trace_is_read_on_the_gpus_side(tmp_path):
+    """On CUDA the CPU only queues the kernels: the step is where its kernels ran, and the wait
+    is NCCL's kernel time with no compute kernel beside it. A trace of that shape, written
+    here (no GPU on the machines that run the tests)."""
+    x = lambda name, cat, ts, dur: dict(ph="X", name=name, cat=cat, ts=ts, dur=dur, tid=1)  # noqa: E731
+    events = [
+        x("ProfilerStep#4", "user_annotation", 0, 100),  # the CPU queues the step
+        x("aten::mm", "cpu_op", 0, 10),
+        x("c10d::allreduce_", "cpu_op", 10, 2),
+        x("ProfilerStep#4", "gpu_user_annotation", 50, 200),  # the GPU runs it
+        x("sm90_gemm", "kernel", 50, 100),
+        x("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", 120, 80),
+        x("sm90_gemm", "kernel", 220, 30),
+    ]
+    path = tmp_path / "rank0.json"
+    path.write_text(json.dumps(dict(traceEvents=events)))
+    trace = profiling.read_trace(path)
+    assert trace["gpu"] and trace["steps"] == [(50.0, 250.0)]
+    assert [name for *_, name, _ in trace["collectives"]] == [events[5]["name"]]
+    # NCCL runs 120-200, compute until 150: 50 of the step's 200 us waiting
+    assert profiling.step_time_and_waiting(trace) == (0.2, 0.25)
+
+
 def profiled_run(out, profile=None):
     """ddp_train.py's MLP, 2 processes x 16, 6 steps; with --profile DIR if given."""
     argv = ["ddp_train.py", *MLP_ARGS, "--max-steps", "6", "--batch-size", "16"]
@@ -104,7 +128,8 @@ def test_profile_writes_a_trace_per_rank_and_training_is_unchanged(tmp_path):
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(f"rank {rank}: profile")]
         assert len(lines) == 1, proc.stdout  # one line per rank
         assert "ms a step" in lines[0] and "% of it waiting in collectives" in lines[0]
-        assert "largest per step: " in lines[0] and "aten::" in lines[0]
+        top = lines[0].split("largest per step: ")[1].split("; ")[0].split(", ")
+        assert len(top) == 3 and all(re.fullmatch(r"\S.* \d+\.\d ms", op) for op in top)
     # The FLOP rate is the hand count of a step of the global batch (32) x steps / seconds.
     (record,) = read_metrics(tmp_path / "profiled")
     flops = record["flops_per_second"] * record["epoch_seconds"] / record["step"]
