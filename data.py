@@ -31,7 +31,16 @@ class InMemoryDataset(Dataset):
         return self.images[i], self.labels[i]
 
     def __getitems__(self, indices):  # the DataLoader's batch at once, not N items stacked
+        if self.images.is_cuda:  # from pinned memory: sending them does not wait for the GPU
+            pinned = torch.tensor(indices, pin_memory=True)
+            indices = pinned.to(self.images.device, non_blocking=True)
         return self.images[indices], self.labels[indices]
+
+    def to(self, device):
+        """The same samples, held on `device`: on a GPU a batch is then one indexing there, with
+        no copy from the host a step. Only for a DataLoader without worker processes
+        (num_workers=0): CUDA tensors cannot be shared with them."""
+        return InMemoryDataset(self.images.to(device), self.labels.to(device), self.classes)
 
 
 def collate(batch):  # InMemoryDataset's batches arrive whole; ImageFolder's samples are stacked

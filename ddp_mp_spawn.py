@@ -57,6 +57,7 @@ from common import (
 )
 from data import DATASETS, collate, eval_shard, load_datasets
 from models import MODELS, build_model, seed_everything
+from profiling import Profiler, add_flags, flop_rates, step_flops
 from training import amp_note, evaluate, fast_forward
 
 
@@ -86,6 +87,7 @@ def get_args(argv=None):
     add("--output-dir", help="where checkpoint.pt and metrics.jsonl go; none: write nothing")
     add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if any")
     add("--dist-timeout", type=float, default=300, help="seconds before a lost peer ends the job")
+    add_flags(p)  # --profile DIR, --peak-tflops (profiling.py)
     args = p.parse_args(argv)
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -93,7 +95,7 @@ def get_args(argv=None):
     if args.nprocs is None:
         args.nprocs = torch.cuda.device_count() if use_cuda else 2
     at_least_1 = ("nprocs", "epochs", "batch_size", "image_size")
-    check_flags(args, at_least_1, ("max_steps", "workers"), ("lr", "dist_timeout"))
+    check_flags(args, at_least_1, ("max_steps", "workers"), ("lr", "dist_timeout", "peak_tflops"))
     if use_cuda and args.nprocs > torch.cuda.device_count():
         fail(f"--nprocs {args.nprocs} is more than the {torch.cuda.device_count()} GPU(s) here")
     if not 0 <= args.warmup < 1:
@@ -111,12 +113,17 @@ def train(args, info):
     )
     if (shard := len(train_set) // world) < args.batch_size:
         fail(f"--batch-size {args.batch_size} is larger than one rank's shard ({shard} samples)")
+    # On a GPU an in-memory data set moves there once: a batch is one indexing there, in the
+    # sampler's order, no copy a step. Not with --workers: they cannot share CUDA tensors.
+    on_gpu = device.type == "cuda" and args.workers == 0 and hasattr(train_set, "to")
+    if on_gpu:
+        train_set, test_set = train_set.to(device), test_set.to(device)
 
     # Each rank trains on a disjoint 1/world of a permutation of (seed, epoch). drop_last
     # trims the set to a multiple of world instead of padding it with repeats.
     sampler = DistributedSampler(train_set, world, rank, seed=args.seed, drop_last=True)
     loader_args = dict(num_workers=args.workers, collate_fn=collate)
-    loader_args.update(pin_memory=device.type == "cuda")
+    loader_args.update(pin_memory=device.type == "cuda" and not on_gpu)
     train_loader = DataLoader(
         train_set, args.batch_size, sampler=sampler, drop_last=True, **loader_args
     )
@@ -129,8 +136,12 @@ def train(args, info):
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     model = build_model(args.model, in_channels, num_classes, image_size=train_set[0][0].shape[-1])
     model = model.to(device, memory_format=memory_format)  # `model`: saved and evaluated unwrapped
+    # cuDNN times its algorithms per shape, keeps the fastest: runs differ unless deterministic
+    torch.backends.cudnn.benchmark = device.type == "cuda"
+    flops = step_flops(model, (1, *train_set[0][0].shape))  # a sample's, forward and backward
 
     # Rank 0 checks the output directory; a refusal stops every rank at once with its cause.
+    profiler = Profiler(args.profile, rank, device)  # a trace of a few steps per rank
     check = lambda: check_output_dir(args.output_dir)  # noqa: E731
     out = together(check, run=bool(args.output_dir) and is_main)
     global_batch = args.batch_size * world
@@ -208,6 +219,7 @@ def train(args, info):
             loss_sum += loss.detach() * labels.numel()
             seen += labels.numel()
             step += 1
+            profiler.step()
             if step == args.max_steps:
                 break
         # One all-reduce per epoch for the log line (all ranks participate): every rank sees
@@ -226,7 +238,10 @@ def train(args, info):
         speed = totals[1].item() / epoch_seconds
         record = dict(epoch=epoch, step=step, train_loss=train_loss, test_loss=test_loss)
         record.update(test_acc=test_acc, epoch_seconds=epoch_seconds, samples_per_second=speed)
-        record.update(lr=scheduler.get_last_lr()[0], world_size=world)
+        rates = flop_rates(
+            flops * totals[1].item(), epoch_seconds, device, amp_dtype, args.peak_tflops, world
+        )
+        record.update(lr=scheduler.get_last_lr()[0], world_size=world, **rates)
         losses = f"train_loss {train_loss:.4f} test_loss {test_loss:.4f} test_acc {test_acc:.4f}"
         print0(f"epoch {epoch}: {losses} {epoch_seconds:.1f}s {speed:.0f} samples/s")
         rngs = [rng_state(device)]
@@ -241,6 +256,7 @@ def train(args, info):
             state.update(epoch=epoch, epoch_step=epoch_step, step=step, rng=rngs)
             state.update(steps_per_epoch=steps_per_epoch, world_size=world, args=vars(args))
             save_checkpoint(state, out / "checkpoint.pt")
+    profiler.stop()
 
 
 def worker(rank, args):

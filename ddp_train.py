@@ -63,6 +63,7 @@ from common import (
 )
 from data import DATASETS, collate, eval_shard, load_datasets
 from models import MODELS, build_model, seed_everything
+from profiling import Profiler, add_flags, flop_rates, step_flops
 from training import amp_note, evaluate, fast_forward, warmup_cosine
 
 
@@ -101,10 +102,11 @@ def get_args(argv=None):
     add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if any")
     add("--backend", choices=["gloo", "nccl", "mpi"], help="default: nccl on CUDA, else gloo")
     add("--dist-timeout", type=float, default=300, help="seconds before a lost peer ends the job")
+    add_flags(p)  # --profile DIR, --peak-tflops (profiling.py)
     args = p.parse_args(argv)
     at_least_1 = ("epochs", "batch_size", "accum_steps", "log_every", "image_size")
     not_negative = ("max_steps", "clip_grad", "workers", "save_every")
-    check_flags(args, at_least_1, not_negative, positive=("lr", "dist_timeout"))
+    check_flags(args, at_least_1, not_negative, positive=("lr", "dist_timeout", "peak_tflops"))
     if not 0 <= args.warmup < 1:
         fail(f"--warmup is a fraction of the run, in [0, 1); got {args.warmup}")
     if args.save_every and not args.output_dir:
@@ -177,13 +179,19 @@ def main(argv=None):
         if (shard := len(train_set) // world) < args.batch_size * args.accum_steps:
             sizes = f"--batch-size {args.batch_size} x --accum-steps {args.accum_steps}"
             fail(f"{sizes} is larger than one rank's shard ({shard} of {len(train_set)} samples)")
+        # On a GPU an in-memory data set moves there once: a batch is one indexing there, in the
+        # sampler's order, no copy a step. Not with --workers: they cannot share CUDA tensors.
+        on_gpu = device.type == "cuda" and args.workers == 0 and hasattr(train_set, "to")
+        if on_gpu:
+            train_set, test_set = train_set.to(device), test_set.to(device)
         sampler = ResumableSampler(train_set, world, rank, seed=args.seed, drop_last=True)
         # The loader's own generator: from the global RNG, the seed a loader draws at each
         # epoch would shift every later --augment crop after a resume.
         generator = torch.Generator().manual_seed(args.seed)
         loader_args = dict(num_workers=args.workers, collate_fn=collate, generator=generator)
         # Pinned memory: host-to-GPU copies overlap compute.
-        loader_args.update(persistent_workers=args.workers > 0, pin_memory=device.type == "cuda")
+        pin = device.type == "cuda" and not on_gpu
+        loader_args.update(persistent_workers=args.workers > 0, pin_memory=pin)
         # drop_last: every step a full batch (steady BatchNorm statistics, one compiled shape).
         train_loader = DataLoader(
             train_set, args.batch_size, sampler=sampler, drop_last=True, **loader_args
@@ -202,16 +210,21 @@ def main(argv=None):
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
         model = model.to(device, memory_format=memory_format)
+        # cuDNN times its algorithms on a shape's first batch and keeps the fastest; its pick can
+        # vary between runs, and the rounding with it, unless deterministic algorithms are on.
+        torch.backends.cudnn.benchmark = device.type == "cuda"
         raw_model = model  # the bare module: saved, loaded and evaluated without wrappers
 
-        # Only now, with data and flags found good, is anything written. Rank 0 checks the
-        # output directory and every rank learns the outcome (all ranks participate).
+        # Only now, with data and flags found good, is anything written (all ranks participate):
+        # --profile's directory, and the output directory, which rank 0 checks for all.
+        profiler = Profiler(args.profile, rank, device)  # a trace of a few steps per rank
         check = lambda: check_output_dir(args.output_dir)  # noqa: E731
         out = together(check, run=bool(args.output_dir) and rank == 0)  # a Path on rank 0
 
         # Optimizer, schedule, scaler. Linear scaling: the peak rate grows with the batch.
         global_batch = args.batch_size * world * args.accum_steps
         lr = args.lr * global_batch / 256
+        flops = step_flops(raw_model, (global_batch, *train_set[0][0].shape))  # a step, all ranks
         optimizer = torch.optim.SGD(
             model.parameters(), lr, args.momentum, weight_decay=args.weight_decay, nesterov=True
         )
@@ -347,6 +360,7 @@ def main(argv=None):
                     optimizer.zero_grad(set_to_none=True)
                     scheduler.step()
                     step, done = step + 1, done + 1
+                    profiler.step()
                     bar.update()
                     last = done == steps or step == args.max_steps
                     snapshot = args.save_every and step % args.save_every == 0 and not last
@@ -378,7 +392,8 @@ def main(argv=None):
             speed, lr_now = done * global_batch / seconds, scheduler.get_last_lr()[0]
             record = dict(epoch=epoch, step=step, train_loss=train_loss, test_loss=test_loss)
             record.update(test_acc=test_acc, epoch_seconds=seconds, samples_per_second=speed)
-            record.update(lr=lr_now, world_size=world)
+            rates = flop_rates(flops * done, seconds, device, amp_dtype, args.peak_tflops, world)
+            record.update(lr=lr_now, world_size=world, **rates)
             losses = (
                 f"train_loss {train_loss:.4f} test_loss {test_loss:.4f} test_acc {test_acc:.4f}"
             )
@@ -389,6 +404,7 @@ def main(argv=None):
                 append_metrics(metrics, record)
             if args.output_dir:
                 save(step)  # all ranks participate
+        profiler.stop()
         if info.distributed:
             # Leave together (all ranks participate): rank 0 hosts the store, and a rank still
             # tearing its group down when rank 0 has gone can abort at exit.

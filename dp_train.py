@@ -50,6 +50,7 @@ from common import (
 )
 from data import DATASETS, collate, load_datasets
 from models import MODELS, build_model, seed_everything
+from profiling import Profiler, add_flags, flop_rates, step_flops
 from training import amp_note, evaluate, fast_forward
 
 
@@ -78,9 +79,10 @@ def get_args(argv=None):
     add("--output-dir", help="where checkpoint.pt and metrics.jsonl go; none: write nothing")
     add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: the GPUs if any")
     add("--dist-timeout", type=float, default=300, help="seconds before a lost peer ends the job")
+    add_flags(p)  # --profile DIR, --peak-tflops (profiling.py)
     args = p.parse_args(argv)
     at_least_1 = ("epochs", "batch_size", "image_size")
-    check_flags(args, at_least_1, ("max_steps", "workers"), ("lr", "dist_timeout"))
+    check_flags(args, at_least_1, ("max_steps", "workers"), ("lr", "dist_timeout", "peak_tflops"))
     if not 0 <= args.warmup < 1:
         fail(f"--warmup is a fraction of the run, in [0, 1); got {args.warmup}")
     return args
@@ -130,6 +132,11 @@ def train(args, device):
     )
     if len(train_set) < args.batch_size:
         fail(f"--batch-size {args.batch_size} is larger than the {len(train_set)} training samples")
+    # On a GPU an in-memory data set moves there (GPU 0) once: a batch is one indexing there, in
+    # the sampler's order, no copy a step. Not with --workers: they cannot share CUDA tensors.
+    on_gpu = device.type == "cuda" and args.workers == 0 and hasattr(train_set, "to")
+    if on_gpu:
+        train_set, test_set = train_set.to(device), test_set.to(device)
 
     # One process sees the whole data set: no DistributedSampler. Reseeding `shuffle` with
     # (seed + epoch) every epoch gives a new order each epoch, the same permutation as
@@ -137,7 +144,7 @@ def train(args, device):
     # again after a resume.
     shuffle = torch.Generator()
     loader_args = dict(num_workers=args.workers, collate_fn=collate)
-    loader_args.update(pin_memory=device.type == "cuda")
+    loader_args.update(pin_memory=device.type == "cuda" and not on_gpu)
     sampler = RandomSampler(train_set, generator=shuffle)
     # drop_last: full batches only, so every GPU gets an equal piece.
     train_loader = DataLoader(
@@ -150,6 +157,10 @@ def train(args, device):
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     model = build_model(args.model, in_channels, num_classes, image_size=train_set[0][0].shape[-1])
     model = model.to(device, memory_format=memory_format)  # DataParallel wants it on GPU 0
+    # cuDNN times its algorithms on a shape's first batch and keeps the fastest; its pick can
+    # vary between runs, and the rounding with it, unless deterministic algorithms are on.
+    torch.backends.cudnn.benchmark = device.type == "cuda"
+    flops = step_flops(model, (1, *train_set[0][0].shape))  # a sample's, forward and backward
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     # The parallel wrapper, on CUDA only: DataParallel takes every visible GPU whatever the
     # model's device, so --device cpu on a GPU machine would move it to cuda:0 anyway. `model`
@@ -158,6 +169,7 @@ def train(args, device):
     if device.type == "cuda":
         dp_model = nn.DataParallel(dp_model)
 
+    profiler = Profiler(args.profile, 0, device)  # a trace of a few steps
     out = check_output_dir(args.output_dir) if args.output_dir else None
     lr = args.lr * args.batch_size / 256  # linear scaling rule
     optimizer = torch.optim.SGD(
@@ -231,6 +243,7 @@ def train(args, device):
             loss_sum += loss.detach() * labels.numel()
             seen += labels.numel()
             step += 1
+            profiler.step()
             if step == args.max_steps:
                 break
         epoch_seconds = time.perf_counter() - t0
@@ -242,7 +255,10 @@ def train(args, device):
         speed = seen / epoch_seconds
         record = dict(epoch=epoch, step=step, train_loss=train_loss, test_loss=test_loss)
         record.update(test_acc=test_acc, epoch_seconds=epoch_seconds, samples_per_second=speed)
-        record.update(lr=scheduler.get_last_lr()[0], world_size=1)
+        rates = flop_rates(
+            flops * seen, epoch_seconds, device, amp_dtype, args.peak_tflops, max(gpus, 1)
+        )
+        record.update(lr=scheduler.get_last_lr()[0], world_size=1, **rates)
         losses = f"train_loss {train_loss:.4f} test_loss {test_loss:.4f} test_acc {test_acc:.4f}"
         print(f"epoch {epoch}: {losses} {epoch_seconds:.1f}s {speed:.0f} samples/s")
         if out:
@@ -253,6 +269,7 @@ def train(args, device):
             state.update(epoch=epoch, epoch_step=epoch_step, step=step, rng=[rng_states(device)])
             state.update(steps_per_epoch=steps_per_epoch, world_size=1, args=vars(args))
             save_checkpoint(state, out / "checkpoint.pt")
+    profiler.stop()
 
 
 def main(argv=None):

@@ -52,6 +52,7 @@ from common import (
     together,
 )
 from data import DATASETS, InMemoryDataset, collate, eval_shard, load_datasets
+from profiling import Profiler, add_flags, flop_rates, step_flops
 from training import evaluate
 
 # One family, so that "stage" means the same for every choice: the stem and layer1-4.
@@ -96,10 +97,11 @@ def get_args(argv=None):
     arg("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if present")
     arg("--backend", choices=["gloo", "nccl", "mpi"], help="default: nccl on CUDA, else gloo")
     arg("--dist-timeout", type=float, default=300, help="seconds before a missing peer ends it")
+    add_flags(p)  # --profile DIR, --peak-tflops (profiling.py)
     args = p.parse_args(argv)
     at_least_1, positive = ("epochs", "batch_size"), ("lr", "backbone_lr_scale", "dist_timeout")
     not_negative = ("max_steps", "workers", "weight_decay", "train_per_class")
-    check_flags(args, at_least_1, not_negative, positive)
+    check_flags(args, at_least_1, not_negative, (*positive, "peak_tflops"))
     if args.image_size < 32:  # a ResNet halves the image 5 times: layer4 would see under 1x1
         fail(f"--image-size must be at least 32, got {args.image_size}")
     return args
@@ -247,8 +249,10 @@ def train(args, info):
     frozen_norms = freeze(model, args.trainable_layers, new)
     model = model.to(device, memory_format=torch.channels_last)
     net = nn.Sequential(ToImageNetInput(args.image_size), model)  # `model` alone is saved
+    flops = step_flops(net, (1, *train_set[0][0].shape))  # a sample's; frozen layers: no backward
     # Written only now, with data, flags and weights found good. Rank 0 checks; if it fails,
     # every rank stops with its error (all ranks participate).
+    profiler = Profiler(args.profile, rank, device)  # a trace of a few steps per rank
     out = together(lambda: args.output_dir and check_output_dir(args.output_dir), run=rank == 0)
     if out:
         (out / "metrics.jsonl").unlink(missing_ok=True)  # no resume: this run's epochs only
@@ -284,6 +288,7 @@ def train(args, info):
             totals[0] += loss.detach() * labels.numel()
             totals[1] += labels.numel()
             step += 1
+            profiler.step()
             if step == total_steps:
                 break
         totals = reduce_value(totals)  # all ranks participate
@@ -301,6 +306,8 @@ def train(args, info):
         record = dict(epoch=epoch, step=step, train_loss=train_loss, test_loss=test_loss)
         record.update(test_acc=test_acc, epoch_seconds=seconds, lr=scheduler.get_last_lr()[0])
         record.update(samples_per_second=totals[1].item() / seconds, world_size=world)
+        rates = flop_rates(flops * totals[1].item(), seconds, device, None, args.peak_tflops, world)
+        record.update(rates)
         print0(
             f"epoch {epoch}: train_loss {train_loss:.4f} test_loss {test_loss:.4f} "
             f"test_acc {test_acc:.4f} {seconds:.1f}s {record['samples_per_second']:.0f} samples/s"
@@ -311,6 +318,7 @@ def train(args, info):
             state.update(epoch=epoch + 1, world_size=world, args=vars(args))
             save_checkpoint(state, out / "checkpoint.pt")
             append_metrics(out / "metrics.jsonl", record)  # after it: every line has its weights
+    profiler.stop()
 
 
 def main(argv=None):

@@ -53,6 +53,7 @@ from common import (
     together,
 )
 from data import DATASETS, collate, load_datasets
+from profiling import Profiler, add_flags, flop_rates, name_pipeline_chunks, step_flops
 from training import fast_forward, warmup_cosine
 
 
@@ -78,9 +79,10 @@ def get_args(argv=None):
     add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if any")
     add("--backend", choices=["gloo", "nccl", "mpi"], help="default: nccl on CUDA, else gloo")
     add("--dist-timeout", type=float, default=300, help="seconds before a lost peer ends the job")
+    add_flags(p)  # --profile DIR, --peak-tflops (profiling.py)
     args = p.parse_args(argv)
     at_least_1 = ("epochs", "batch_size", "microbatches", "log_every")
-    positive = ("lr", "momentum", "dist_timeout")  # the checkpoint holds the momentum
+    positive = ("lr", "momentum", "dist_timeout", "peak_tflops")  # momentum: in the checkpoint
     check_flags(args, at_least_1, ("max_steps", "weight_decay"), positive)
     if not 0 <= args.warmup < 1:
         fail(f"--warmup is a fraction of the run, in [0, 1); got {args.warmup}")
@@ -201,6 +203,7 @@ def train(args, info):
         fail(f"--batch-size {args.batch_size} is more than the training set ({len(train_set)})")
     model = build_pipeline_cnn(in_channels, num_classes)
     costs = layer_costs(model, train_set[0][0].unsqueeze(0))
+    flops = step_flops(model, (args.batch_size, *train_set[0][0].shape))  # a step, all stages
     if len(devices) > len(model):
         fail(f"{len(devices)} stages for a model of {len(model)} layers: at most {len(model)}")
     split = balanced_split(costs, len(devices))
@@ -212,7 +215,9 @@ def train(args, info):
 
         module = make_stage(model, *split[rank]).to(device)  # all this process trains
         kind = Schedule1F1B if args.pipeline_schedule == "1f1b" else ScheduleGPipe
-        schedule = kind(PipelineStage(module, rank, world, device), micro, F.cross_entropy)
+        stage = PipelineStage(module, rank, world, device)
+        name_pipeline_chunks(stage)  # "stage1 forward mb3" in a --profile trace
+        schedule = kind(stage, micro, F.cross_entropy)
 
         def run_batch(images, labels, training):
             # Rank 0 feeds the images, the last rank the labels and gets the logits (else None).
@@ -258,6 +263,7 @@ def train(args, info):
     # Only now, with data and flags found good, is anything written. Rank 0 alone checks the
     # output directory and reads the checkpoint and tells all (all ranks participate): ranks that
     # looked for themselves could see different files (a directory not shared between nodes).
+    profiler = Profiler(args.profile, rank, device)  # a trace of a few steps per rank
     writer = bool(args.output_dir) and rank == 0
     out = together(lambda: check_output_dir(args.output_dir), run=writer)  # a Path on rank 0
     path = Path(args.output_dir or "", "checkpoint.pt")
@@ -298,6 +304,7 @@ def train(args, info):
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             step, done = step + 1, done + 1
+            profiler.step()
             if loss is not None:  # the batch's mean loss, where the last stage is
                 loss_sum += loss
             last = done == steps_per_epoch or step == args.max_steps
@@ -316,7 +323,8 @@ def train(args, info):
         speed = done * args.batch_size / seconds
         record = dict(epoch=epoch, step=step, train_loss=train_loss, test_loss=test_loss)
         record.update(test_acc=test_acc, epoch_seconds=seconds, samples_per_second=speed)
-        record.update(lr=lr, world_size=world, stages=len(devices), microbatches=micro)
+        rates = flop_rates(flops * done, seconds, device, None, args.peak_tflops, len(devices))
+        record.update(lr=lr, world_size=world, stages=len(devices), microbatches=micro, **rates)
         losses = f"train_loss {train_loss:.4f} test_loss {test_loss:.4f} test_acc {test_acc:.4f}"
         print0(f"epoch {epoch}: {losses} {seconds:.1f}s {speed:.0f} samples/s")
         if args.output_dir:
@@ -334,6 +342,7 @@ def train(args, info):
                 state.update(epoch=step // steps_per_epoch, step=step, args=vars(args))
                 save_checkpoint(state, out / "checkpoint.pt")
                 append_metrics(out / "metrics.jsonl", record)  # after it: every line has weights
+    profiler.stop()
 
 
 def main(argv=None):

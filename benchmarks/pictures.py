@@ -1,0 +1,400 @@
+"""The pictures of benchmarks/README.md, each drawn from real runs on this machine.
+
+    python benchmarks/pictures.py                           # all three (about 10 minutes here)
+    python benchmarks/pictures.py --only timelines --strategies ddp fsdp
+    python benchmarks/pictures.py --only pipeline
+    python benchmarks/pictures.py --only timelines --traces "DDP, 8 GPUs=runs/prof"   # yours
+
+timelines.png: one training step per rank, compute against collectives, read from each
+script's --profile traces (a script that does not take --profile yet is skipped, and said so).
+pipeline.png: model_parallel.py's GPipe and 1F1B at 2 and 4 stages (one process each), each
+stage's forward and backward of each micro-batch as they ran, the idle time (the bubble)
+hatched. memory.png: what one rank holds under each strategy, counted from its tensors, and
+its measured peak (benchmarks/sharding.py --json). Runs write to benchmarks/runs/pictures/
+(git-ignored); --traces LABEL=DIR draws traces made elsewhere (on GPUs, say) instead.
+Needs matplotlib (requirements-dev.txt). A trace without what a picture draws (no collectives,
+no pipeline stages) is refused in one line, not drawn empty.
+"""
+
+import argparse
+import bisect
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from common import fail  # noqa: E402
+from profiling import read_trace, step_time_and_waiting, union  # noqa: E402
+
+RUNS = ROOT / "benchmarks" / "runs" / "pictures"
+QUICK = ["--data", "synthetic", "--device", "cpu", "--max-steps", "6", "--dist-timeout", "120"]
+# One step of each strategy, 2 processes each: what their collectives overlap.
+STRATEGIES = {
+    "ddp": ("DDP", "ddp_train.py", ["--model", "resnet18", "--batch-size", "8"]),
+    "fsdp": ("FSDP", "fsdp_train.py", []),
+    "tp": ("tensor parallel", "tensor_parallel.py", []),
+    "cp": ("context parallel (ring)", "context_parallel.py", []),
+    "ep": ("expert parallel", "expert_parallel.py", []),
+}
+PHASE_COLORS = {
+    "forward": "tab:blue",
+    "backward": "tab:orange",
+    "optimizer": "tab:green",
+    "GPU kernels": "tab:blue",
+}
+COLLECTIVE_COLORS = {
+    "all-reduce": "tab:red",
+    "all-gather": "tab:purple",
+    "reduce-scatter": "tab:brown",
+    "all-to-all": "tab:pink",
+    "send/recv": "tab:olive",
+    "broadcast": "tab:cyan",
+    "other collective": "tab:gray",
+}
+KINDS = [
+    ("all-reduce", ("all_reduce", "allreduce")),
+    ("all-gather", ("all_gather", "allgather")),
+    ("reduce-scatter", ("reduce_scatter", "reducescatter")),
+    ("all-to-all", ("all_to_all", "alltoall")),
+    ("send/recv", ("send", "recv")),
+    ("broadcast", ("broadcast",)),
+]
+CHUNK = re.compile(r"stage(\d+) (forward|backward) mb(\d+)")
+
+
+def collective_kind(name):
+    low = name.lower()
+    return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other collective")
+
+
+def inside(spans, point):
+    """Whether `point` lies in one of `spans`, sorted and disjoint (union's output)."""
+    i = bisect.bisect_right([s for s, _ in spans], point) - 1
+    return i >= 0 and point <= spans[i][1]
+
+
+def rank_traces(trace_dir):
+    paths = sorted(
+        Path(trace_dir).glob("rank*.json*"), key=lambda p: int(re.sub(r"\D", "", p.name))
+    )
+    if not paths:
+        fail(f"{trace_dir}: no rank*.json traces (run the script with --profile {trace_dir})")
+    return paths
+
+
+def one_step(trace_dir, need_collectives=True):
+    """Every rank's last profiled step: [(rank, trace, (start, end))], checked for what the
+    timeline draws."""
+    out = []
+    for rank, path in enumerate(rank_traces(trace_dir)):
+        trace = read_trace(path)
+        if not trace["steps"]:
+            fail(f"{path}: no ProfilerStep in the trace: profiler.step() was never called")
+        if need_collectives and not trace["collectives"]:
+            what = "no collective events (gloo:, nccl:, c10d::, record_param_comms)"
+            fail(f"{path}: {what}; a one-process run has nothing to draw against compute")
+        out.append((rank, trace, trace["steps"][-1]))
+    return out
+
+
+def phases(trace, window):
+    """{phase: union of compute intervals} in `window`: backward inside autograd's
+    evaluate_function, optimizer inside Optimizer.step or zero_grad, the rest forward."""
+    clip = lambda s, e: (max(s, window[0]), min(e, window[1]))  # noqa: E731
+    compute = [clip(s, e) + (n,) for s, e, n, _ in trace["compute"] if e > window[0]]
+    compute = [c for c in compute if c[0] < c[1]]
+    if trace["gpu"]:
+        return {"GPU kernels": union(compute)}
+    backward = union(c for c in compute if c[2].startswith("autograd::engine::evaluate_function"))
+    optimizer = union(a for a in trace["annotations"] if a[2].startswith("Optimizer."))
+    out = {"forward": [], "backward": [], "optimizer": []}
+    for s, e, _ in compute:
+        mid = (s + e) / 2
+        phase = "backward" if inside(backward, mid) else "forward"
+        out["optimizer" if inside(optimizer, mid) else phase].append((s, e))
+    return {k: union(v) for k, v in out.items()}
+
+
+def draw_timelines(runs, path):
+    """runs: [(label, trace_dir)]; one panel per run, two lanes per rank."""
+    import matplotlib.pyplot as plt
+
+    steps = [(label, one_step(d)) for label, d in runs]
+    heights = [1 + 0.6 * len(ranks) for _, ranks in steps]
+    fig, axes = plt.subplots(len(steps), 1, figsize=(12, sum(heights) + 0.8), squeeze=False)
+    fig.subplots_adjust(hspace=0.9)
+    used = set()
+    for ax, (label, ranks) in zip(axes[:, 0], steps, strict=True):
+        start = min(w[0] for _, _, w in ranks)
+        end = max(w[1] for _, _, w in ranks)
+        ticks = []
+        for rank, trace, window in ranks:
+            y = 2 * (len(ranks) - 1 - rank)
+            for phase, spans in phases(trace, window).items():
+                bars = [((s - start) / 1e3, (e - s) / 1e3) for s, e in spans]
+                ax.broken_barh(bars, (y + 1.05, 0.8), color=PHASE_COLORS[phase])
+                used.add(("phase", phase)) if bars else None
+            for kind in COLLECTIVE_COLORS:
+                spans = union(
+                    (max(s, window[0]), min(e, window[1]))
+                    for s, e, n, _ in trace["collectives"]
+                    if collective_kind(n) == kind and e > window[0] and s < window[1]
+                )
+                bars = [((s - start) / 1e3, (e - s) / 1e3) for s, e in spans]
+                ax.broken_barh(bars, (y + 0.1, 0.8), color=COLLECTIVE_COLORS[kind])
+                used.add(("collective", kind)) if bars else None
+            ticks += [(y + 0.5, f"rank {rank} collectives"), (y + 1.45, f"rank {rank} compute")]
+        ms, waiting = step_time_and_waiting(dict(ranks[0][1], steps=[ranks[0][2]]))
+        ax.set_title(
+            f"{label}: one step, {ms:.0f} ms on rank 0, {waiting:.0%} of it waiting in"
+            " collectives (a collective in flight, no compute running)",
+            fontsize=10,
+            loc="left",
+        )
+        ax.set_yticks([t for t, _ in ticks], [n for _, n in ticks], fontsize=8)
+        ax.set_xlim(0, (end - start) / 1e3)
+        ax.set_ylim(0, 2 * len(ranks))
+    axes[-1, 0].set_xlabel("ms since the step's start (ranks on one clock: one machine)")
+    handles = [
+        plt.Rectangle((0, 0), 1, 1, color=(PHASE_COLORS | COLLECTIVE_COLORS)[name])
+        for _, name in sorted(used)
+    ]
+    names = [name for _, name in sorted(used)]
+    fig.legend(handles, names, loc="lower center", bbox_to_anchor=(0.5, 0.99), ncol=6)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def pipeline_chunks(trace_dir):
+    """[(stage, [(start, end, kind, micro-batch)] of its last profiled step)], one per rank."""
+    stages = []
+    for _, trace, (start, end) in one_step(trace_dir, need_collectives=False):
+        chunks = []
+        for s, e, name in trace["annotations"]:
+            if (m := CHUNK.fullmatch(name)) and start <= s and e <= end:
+                chunks.append((s, e, m[2], int(m[3])))
+                stage = int(m[1])
+        if not chunks:
+            fail(
+                f"{trace_dir}: no 'stageN forward mbM' ranges in the last profiled step: not a"
+                " trace of model_parallel.py under torchrun (one stage per process)"
+            )
+        stages.append((stage, sorted(chunks)))
+    return sorted(stages)
+
+
+def draw_pipelines(runs, path):
+    """runs: [(label, trace_dir)] of model_parallel.py under torchrun, one panel each."""
+    import matplotlib.pyplot as plt
+
+    panels = [(label, pipeline_chunks(d)) for label, d in runs]
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(12, 1.2 + 0.9 * sum(map(len, dict(panels).values()))),
+        squeeze=False,
+    )
+    fig.subplots_adjust(hspace=0.7)
+    for ax, (label, stages) in zip(axes[:, 0], panels, strict=True):
+        start = min(c[0] for _, chunks in stages for c in chunks)
+        end = max(c[1] for _, chunks in stages for c in chunks)
+        busy = 0.0
+        micro = 1 + max(c[3] for _, chunks in stages for c in chunks)
+        for stage, chunks in stages:
+            y = len(stages) - 1 - stage
+            ax.broken_barh(
+                [(0, (end - start) / 1e3)],
+                (y + 0.1, 0.8),
+                facecolor="none",
+                edgecolor="0.6",
+                hatch="///",
+                linewidth=0,
+            )
+            for s, e, kind, mb in chunks:
+                color = "tab:blue" if kind == "forward" else "tab:orange"
+                ax.broken_barh([((s - start) / 1e3, (e - s) / 1e3)], (y + 0.1, 0.8), color=color)
+                ax.text(
+                    (s + e) / 2e3 - start / 1e3,
+                    y + 0.5,
+                    str(mb),
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white",
+                )
+            busy += sum(e - s for e, s in ((c[1], c[0]) for c in chunks))
+        n = len(stages)
+        bubble = 1 - busy / (n * (end - start))
+        ideal = (n - 1) / (micro + n - 1)
+        ax.set_title(
+            f"{label}: {n} stages, {micro} micro-batches: idle {bubble:.0%} of the schedule"
+            f" (hatched; the bubble alone, equal stages: (S-1)/(M+S-1) = {ideal:.0%})",
+            fontsize=10,
+            loc="left",
+        )
+        ax.set_yticks([len(stages) - 0.5 - s for s, _ in stages], [f"stage {s}" for s, _ in stages])
+        ax.set_xlim(0, (end - start) / 1e3)
+        ax.set_ylim(0, len(stages))
+    axes[-1, 0].set_xlabel("ms since the step's first forward (numbers: the micro-batch)")
+    names = ["forward", "backward", "idle"]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:blue", "tab:orange")]
+    handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="none", edgecolor="0.6", hatch="///"))
+    fig.legend(handles, names, loc="lower center", bbox_to_anchor=(0.5, 0.99), ncol=3)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+# One launch each, so that each peak is its own process's: sharding.py's --wrappers.
+MEMORY = {
+    "ddp": "DDP",
+    "ddp+zero": "ZeRO-1",
+    "fsdp": "FSDP",
+    "hsdp": "HSDP 2x2",
+    "tp": "TP",
+    "tp+sp": "TP + SP",
+    "2-d": "TP 2 x FSDP 2",
+    "cp": "CP (ring)",
+    "ep": "EP (MoE)",
+}
+COUNTED = {"params": "weights", "grads": "gradients", "optimizer": "AdamW state"}
+COUNTED["activations"] = "saved activations"
+MEMORY_ARGS = ["--worlds", "4", "--models", "vit", "--vit-dim", "768", "--steps", "1"]
+
+
+def memory_runs():
+    """benchmarks/sharding.py at 4 processes, one launch per strategy: its JSON files."""
+    paths = []
+    for wrapper in MEMORY:
+        path = RUNS / f"memory-{wrapper}.json"
+        cmd = [sys.executable, "benchmarks/sharding.py", *MEMORY_ARGS, "--wrappers", wrapper]
+        proc = subprocess.run([*cmd, "--json", path], cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode:
+            fail(f"{' '.join(map(str, cmd))} failed:\n{proc.stderr[-3000:]}")
+        print(f"ran sharding.py --wrappers {wrapper}: {path}", flush=True)
+        paths.append(path)
+    return paths
+
+
+def draw_memory(sources, path):
+    """Stacked bars of what rank 0 holds per strategy (counted), its measured peak beside them;
+    sources: sharding.py --json files (a path or a list of them)."""
+    import matplotlib.pyplot as plt
+
+    rows = []
+    for source in [sources] if isinstance(sources, (str, Path)) else sources:
+        for row in json.loads(Path(source).read_text()):
+            missing = [k for k in (*COUNTED, "peak", "wrapper") if k not in row]
+            if missing:
+                fail(f"{source}: a row without {', '.join(missing)}: not sharding.py --json's")
+            rows.append(row)
+    rows.sort(key=lambda r: list(MEMORY).index(r["wrapper"]) if r["wrapper"] in MEMORY else 99)
+    fig, ax = plt.subplots(figsize=(12, 5))
+    x = range(len(rows))
+    bottom = [0.0] * len(rows)
+    for (key, name), color in zip(COUNTED.items(), ("C0", "C1", "C2", "C7"), strict=True):
+        mb = [r[key] / 2**20 for r in rows]
+        ax.bar(x, mb, 0.6, bottom=bottom, label=f"{name} (counted)", color=color)
+        bottom = [b + m for b, m in zip(bottom, mb, strict=True)]
+    peaks = [r["peak"] / 2**20 for r in rows]
+    ax.scatter(x, peaks, marker="_", s=900, linewidths=3, color="black", zorder=3)
+    ax.scatter([], [], marker="_", s=200, linewidths=3, color="black", label="measured peak")
+    for i, p in zip(x, peaks, strict=True):
+        ax.annotate(f"{p:.0f}", (i, p), textcoords="offset points", xytext=(0, 6), ha="center")
+    ax.set_xticks(list(x), [MEMORY.get(r["wrapper"], r["wrapper"]) for r in rows])
+    ax.set_ylabel("MB on rank 0")
+    world = "/".join(sorted({str(r["world"]) for r in rows}))
+    model = "/".join(sorted({r["model"] for r in rows}))
+    moe = (
+        " (EP: its mixture of experts, 8 experts a block)"
+        if any(r["wrapper"] == "ep" for r in rows)
+        else ""
+    )
+    ax.set_title(
+        f"What rank 0 holds, {world} processes, AdamW, {model}{moe}; the peak includes the"
+        " library's one-time buffers",
+        fontsize=10,
+        loc="left",
+    )
+    ax.set_ylim(0, 1.15 * max(max(peaks), max(bottom)))
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=5)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def takes_profile(script):
+    help_text = subprocess.run(
+        [sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True
+    ).stdout
+    return "--profile" in help_text
+
+
+def torchrun(nproc, script, argv, trace_dir):
+    """SCRIPT under torchrun on this machine's CPU with --profile trace_dir; its output on error."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc_per_node={nproc}", script, *QUICK, *argv, "--profile", str(trace_dir)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        fail(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    print(f"ran {script} {' '.join(argv)}: {trace_dir}", flush=True)
+
+
+def timeline_runs(strategies):
+    runs = []
+    for key in strategies:
+        label, script, argv = STRATEGIES[key]
+        if not takes_profile(script):
+            print(f"skipped {label}: {script} does not take --profile yet", flush=True)
+            continue
+        torchrun(2, script, argv, RUNS / key)
+        runs.append((f"{label} ({script}, 2 processes, CPU)", RUNS / key))
+    return runs
+
+
+def pipeline_runs():
+    runs = []
+    for stages in (2, 4):
+        for schedule in ("gpipe", "1f1b"):
+            argv = ["--pipeline-schedule", schedule, "--microbatches", "8", "--batch-size", "64"]
+            where = RUNS / f"pipeline-{schedule}-{stages}"
+            torchrun(stages, "model_parallel.py", argv, where)
+            runs.append(({"gpipe": "GPipe", "1f1b": "1F1B"}[schedule], where))
+    return runs
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    what = ("timelines", "pipeline", "memory")
+    p.add_argument("--only", choices=what, help="one picture (default: all three)")
+    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    p.add_argument("--traces", nargs="+", metavar="LABEL=DIR", help="draw these traces instead")
+    p.add_argument("--memory-json", help="draw memory.png from this sharding.py --json file")
+    p.add_argument("--out", default=str(ROOT / "benchmarks"), help="where the PNGs go")
+    args = p.parse_args(argv)
+    if args.traces and args.only not in ("timelines", "pipeline"):
+        fail("--traces needs --only timelines or --only pipeline: which picture they are for")
+    given = [tuple(t.split("=", 1)) for t in args.traces or []]
+    if any(len(t) != 2 for t in given):
+        fail("--traces takes LABEL=DIR pairs")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.only in (None, "timelines"):
+        runs = given or timeline_runs(args.strategies)
+        if runs:
+            draw_timelines(runs, out / "timelines.png")
+            print(f"wrote {out / 'timelines.png'}")
+    if args.only in (None, "pipeline"):
+        draw_pipelines(given or pipeline_runs(), out / "pipeline.png")
+        print(f"wrote {out / 'pipeline.png'}")
+    if args.only in (None, "memory"):
+        source = args.memory_json or memory_runs()
+        draw_memory(source, out / "memory.png")
+        print(f"wrote {out / 'memory.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""Where the time goes: a profiler trace of a few steps per rank, and the model's FLOPs.
+
+    profiler = Profiler(args.profile, rank, device)  # all ranks; a no-op when the dir is None
+    for images, labels in loader:
+        ...                                          # forward, backward, optimizer step
+        profiler.step()                              # once per optimizer step
+    profiler.stop()                                  # after the loop: a short run's window ends
+
+Profiler(trace_dir, rank, device, wait=1, warmup=2, active=3) records steps wait+warmup+1 to
+wait+warmup+active, then writes trace_dir/rank{R}.json, a Chrome trace (open it in
+ui.perfetto.dev or chrome://tracing), on CUDA also rank{R}_memory.pickle, a memory snapshot
+(pytorch.org/memory_viz), and prints one line: the step's time, the share of it spent waiting
+in collectives, the largest operations by self time. add_flags(parser) adds --profile DIR and
+--peak-tflops, the same in every script.
+FLOPs: step_flops(model, example) counts one forward and backward of a batch shaped like
+`example` (a tensor or a shape) on the meta device: nothing computed, no weight, buffer,
+gradient or RNG state touched, no collective. count_flops(fn) counts what fn() runs (a sharded
+model's step, which needs its collectives). flop_rates(flops, seconds, device, dtype,
+peak_tflops, devices) gives metrics.jsonl's "flops_per_second" and, where the device's peak is
+known (PEAK_TFLOPS, or --peak-tflops), "mfu": the share of `devices` devices' peak.
+read_trace(path) reads a trace back into steps, compute and collective intervals (what
+benchmarks/pictures.py draws, and the printed line measures); name_pipeline_chunks(stage)
+names each micro-batch's forward and backward on a pipeline stage in it.
+"""
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from common import fail, together
+
+# Dense peaks of one device in TFLOP/s (tensor cores, no sparsity), from NVIDIA's data sheets.
+# Matched against torch.cuda.get_device_name() in this order (H100 PCIe before H100, A100
+# before A10). A10G: no data sheet; the A10's figures, the same chip.
+PEAK_TFLOPS = {
+    "H200": dict(bf16=989, fp16=989, tf32=495, fp32=67),
+    "H100 PCIe": dict(bf16=756, fp16=756, tf32=378, fp32=51),
+    "H100 NVL": dict(bf16=835, fp16=835, tf32=418, fp32=60),
+    "H100": dict(bf16=989, fp16=989, tf32=495, fp32=67),  # SXM
+    "A100": dict(bf16=312, fp16=312, tf32=156, fp32=19.5),
+    "A10G": dict(bf16=125, fp16=125, tf32=62.5, fp32=31.2),
+    "A10": dict(bf16=125, fp16=125, tf32=62.5, fp32=31.2),
+    "L40S": dict(bf16=362, fp16=362, tf32=183, fp32=91.6),
+    "L4": dict(bf16=121, fp16=121, tf32=60, fp32=30.3),
+    "V100": dict(fp16=125, fp32=15.7),  # SXM2; no bf16 or tf32 units
+    "RTX 4090": dict(bf16=165, fp16=165, tf32=82.6, fp32=82.6),  # fp32 accumulate
+    "RTX 3090": dict(bf16=71, fp16=71, tf32=35.6, fp32=35.6),
+}
+# What the traces name collectives: gloo's and NCCL's own spans, c10d's calls, NCCL's kernels.
+COLLECTIVES = ("gloo:", "nccl:", "c10d::", "record_param_comms", "ncclDevKernel", "ncclKernel")
+
+
+def add_flags(parser):
+    add = parser.add_argument
+    add("--profile", metavar="DIR", help="profile a few steps: a trace per rank in DIR")
+    add("--peak-tflops", type=float, help="the device's peak TFLOP/s for MFU (default: a table)")
+
+
+class Profiler:
+    """torch.profiler over steps wait+warmup+1 .. wait+warmup+active; see the module's text."""
+
+    def __init__(self, trace_dir, rank=0, device=None, wait=1, warmup=2, active=3):
+        self.prof, self.steps, self.first = None, 0, wait + warmup + 1
+        if trace_dir is None:
+            return
+        self.dir, self.rank = Path(trace_dir), rank
+        self.cuda = device is not None and device.type == "cuda"
+        together(self._make_dir)  # all ranks participate: a bad DIR stops every rank at once
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # Kineto's notes, not every start
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            # Every allocation from now on, with its Python stack, for the memory snapshot.
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+        schedule = torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1)
+        self.prof = torch.profiler.profile(
+            activities=activities, schedule=schedule, on_trace_ready=self._write
+        )
+        self.prof.start()
+
+    def _make_dir(self):
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            probe = self.dir / f".rank{self.rank}"  # writable? (mkdir passes for a read-only dir)
+            probe.touch()
+            probe.unlink()
+        except OSError as e:
+            fail(f"--profile {self.dir}: {e.strerror or e}")
+
+    def step(self):
+        if self.prof:
+            self.steps += 1
+            self.prof.step()
+
+    def stop(self):
+        if self.prof:
+            if self.steps < self.first:
+                print(
+                    f"rank {self.rank}: profile: {self.steps} steps, none profiled (from step "
+                    f"{self.first}): nothing written",
+                    flush=True,
+                )
+            self.prof.stop()  # a window cut short by the end of the run is written as it is
+            self.prof = None
+
+    def _write(self, prof):
+        path = self.dir / f"rank{self.rank}.json"
+        prof.export_chrome_trace(str(path))
+        if self.cuda:
+            torch.cuda.memory._dump_snapshot(str(self.dir / f"rank{self.rank}_memory.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
+        trace = read_trace(path)
+        steps = len(trace["steps"])
+        # Self time: in the operation itself, not in what it calls; on CUDA, the GPU's time.
+        key = "self_device_time_total" if self.cuda else "self_cpu_time_total"
+        ops = [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
+        ops = sorted(ops, key=lambda e: getattr(e, key), reverse=True)[:3]
+        top = ", ".join(f"{e.key} {getattr(e, key) / 1000 / steps:.1f} ms" for e in ops)
+        step_ms, waiting = step_time_and_waiting(trace)
+        print(
+            f"rank {self.rank}: profile of {steps} steps: {step_ms:.1f} ms a step, "
+            f"{waiting:.0%} of it waiting in collectives; largest per step: {top}; {path}",
+            flush=True,
+        )
+
+
+def name_pipeline_chunks(stage):
+    """Name each micro-batch's forward and backward on a torch.distributed.pipelining stage in
+    a trace ("stage1 forward mb3"; read_trace's annotations): the schedule, as it ran. Without
+    a profiler, a record_function costs about a microsecond."""
+    for kind in ("forward", "backward"):
+        run = getattr(stage, f"{kind}_one_chunk")
+
+        def named(chunk, *args, run=run, kind=kind, **kwargs):
+            with torch.profiler.record_function(f"stage{stage.stage_index} {kind} mb{chunk}"):
+                return run(chunk, *args, **kwargs)
+
+        setattr(stage, f"{kind}_one_chunk", named)
+
+
+def read_trace(path):
+    """A Chrome trace written by torch.profiler (.json or .json.gz) as a dict of intervals in
+    microseconds on the trace's clock: "steps" [(start, end)] of each ProfilerStep; "compute"
+    and "collectives" [(start, end, name, lane)], lane "cpu" (the threads that run operators)
+    or "gpu" (kernels); "annotations" [(start, end, name)] (record_function's ranges); "gpu":
+    whether it holds kernels. With kernels, the GPU's side of each: where the step's kernels,
+    NCCL's among them, ran (the CPU only queued them)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    span = lambda e: (float(e["ts"]), float(e["ts"]) + float(e["dur"]))  # noqa: E731
+    gpu = any(e.get("cat") == "kernel" for e in events)
+    out = dict(steps=[], compute=[], collectives=[], annotations=[], gpu=gpu)
+    comm_spans = {}  # thread -> collective calls on it: what runs inside them is not compute
+    for e in events:
+        if e["name"].startswith(COLLECTIVES):
+            lane = "gpu" if e.get("cat") == "kernel" else "cpu"
+            out["collectives"].append((*span(e), e["name"], lane))
+            comm_spans.setdefault(e.get("tid"), []).append(span(e))
+    for e in events:
+        name, cat, (start, end) = e["name"], e.get("cat"), span(e)
+        if name.startswith("ProfilerStep#"):  # on a GPU: the step's extent in kernels
+            out["steps"].append((start, end, cat == "gpu_user_annotation"))
+        elif cat == ("gpu_user_annotation" if gpu else "user_annotation"):
+            out["annotations"].append((start, end, name))
+        elif name.startswith(COLLECTIVES):
+            continue
+        elif cat in (("kernel", "gpu_memcpy", "gpu_memset") if gpu else ("cpu_op",)):
+            inside = comm_spans.get(e.get("tid"), ())
+            if not any(a <= start and end <= b for a, b in inside):
+                out["compute"].append((start, end, name, "gpu" if gpu else "cpu"))
+    on_gpu = [s for s in out["steps"] if s[2]]
+    out["steps"] = sorted(s[:2] for s in on_gpu or out["steps"])
+    nccl = [c for c in out["collectives"] if c[3] == "gpu"]
+    out["collectives"] = nccl or out["collectives"]
+    return out
+
+
+def union(intervals):
+    """Sorted, non-overlapping (start, end) covering the given ones."""
+    merged = []
+    for start, end in sorted((i[0], i[1]) for i in intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def length(intervals):
+    return sum(end - start for start, end in intervals)
+
+
+def subtract(intervals, minus):
+    """The parts of union(intervals) that union(minus) does not cover."""
+    out, minus = [], union(minus)
+    for start, end in union(intervals):
+        for a, b in minus:
+            if b <= start or a >= end:
+                continue
+            if a > start:
+                out.append((start, a))
+            start = max(start, b)
+        if start < end:
+            out.append((start, end))
+    return out
+
+
+def step_time_and_waiting(trace):
+    """(mean ms a step, share of the steps' time when a collective runs and no compute does):
+    the time the step waits on the network rather than hiding it behind work."""
+    steps = trace["steps"]
+    if not steps:
+        raise ValueError("the trace has no ProfilerStep: was profiler.step() called?")
+    total = length(union(steps))
+    window = steps[0][0], steps[-1][1]
+    clip = lambda xs: [(max(s, window[0]), min(e, window[1])) for s, e, *_ in xs]  # noqa: E731
+    comm = [i for i in clip(trace["collectives"]) if i[0] < i[1]]
+    waiting = length(subtract(comm, clip(trace["compute"])))
+    return total / 1000 / len(steps), waiting / total
+
+
+def step_flops(model, example):
+    """FLOPs of one forward and backward of `model` on a batch shaped like `example` (a tensor
+    or a shape), counted on the meta device: its parameters and buffers are swapped for meta
+    tensors of the same shapes, so nothing is computed and nothing of the model changes
+    (BatchNorm's running statistics, .grad, the RNG). Backward as in training: only towards
+    the parameters that require a gradient (frozen layers send none back)."""
+    meta = lambda t: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)  # noqa: E731
+    if isinstance(example, torch.Tensor):
+        x = torch.empty(example.shape, dtype=example.dtype, device="meta")
+    else:
+        x = torch.empty(tuple(example), device="meta")
+    tensors = {n: meta(t) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    trainable = [t for t in tensors.values() if t.requires_grad]
+
+    def forward_backward():
+        out = torch.func.functional_call(model, tensors, (x,))
+        out = out[0] if isinstance(out, tuple) else out
+        if trainable:
+            torch.autograd.grad(out.float().sum(), trainable)
+
+    # In eval mode: the same products, without SyncBatchNorm's collectives or dropout's draws.
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        return count_flops(forward_backward)
+    finally:
+        for m, training in modes.items():
+            m.training = training
+
+
+def count_flops(fn):
+    """FLOPs of what fn() runs (matrix products, convolutions, attention), by FlopCounterMode."""
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def peak_flops(device, dtype=None, peak_tflops=None):
+    """One device's peak FLOP/s for `dtype` (None: fp32, or tf32 where matmuls may use it), or
+    None where unknown: a CPU or a GPU not in PEAK_TFLOPS, without peak_tflops."""
+    if peak_tflops:
+        return peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    kind = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    if kind == "fp32" and torch.get_float32_matmul_precision() != "highest":
+        kind = "tf32"
+    gpu = next((peaks for key, peaks in PEAK_TFLOPS.items() if key in name), {})
+    return gpu[kind] * 1e12 if kind in gpu else None
+
+
+def flop_rates(flops, seconds, device, dtype=None, peak_tflops=None, devices=1):
+    """{"flops_per_second": flops / seconds} (flops: what every device computed together) and,
+    where the peak is known, "mfu": that rate over `devices` times one device's peak."""
+    rates = dict(flops_per_second=flops / seconds)
+    peak = peak_flops(device, dtype, peak_tflops)
+    if peak:
+        rates["mfu"] = rates["flops_per_second"] / (devices * peak)
+    return rates
