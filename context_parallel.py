@@ -54,19 +54,11 @@ from checkpoint import (
 from common import cleanup, fail, init_distributed_mode, peer_failure, print0, require_torch
 from data import load_datasets, pad_batches, shard_loaders
 from models import GPT, ViT, generate
-from training import (
-    check_sharded_args,
-    end_epoch,
-    evaluate,
-    log_loss,
-    sharded_parser,
-    warmup_cosine,
-)
+from profiling import Profiler, flop_rates, step_flops
+from training import end_epoch, evaluate, log_loss, sharded_args, sharded_parser, warmup_cosine
 
-# The autograd all-gather, named all_gather_tensor_autograd in PyTorch 2.9 (deprecated later).
-all_gather = (
-    getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
-)
+# The autograd all-gather (all_gather_tensor_autograd in PyTorch 2.9, deprecated later).
+all_gather = getattr(funcol, "all_gather_single_autograd", funcol.all_gather_tensor_autograd)
 
 
 def get_args(argv=None):
@@ -84,7 +76,7 @@ def get_args(argv=None):
     add("--batch-size", type=int, help="samples per CP group per step (default 128; text: 32)")
     args = p.parse_args(argv)
     args.cp_balance = args.cp_balance or ("zigzag" if args.model == "gpt" else "contiguous")
-    return check_sharded_args(args, ("dp", "cp", "dim", "heads"), batch=(128, 32))
+    return sharded_args(args, ("dp", "cp", "dim", "heads"), batch=(128, 32))
 
 
 def layout(tokens, cp, balance):
@@ -106,17 +98,15 @@ def own(x, chunks, dim):  # this process's tokens of x along dim, chunk after ch
 
 # What each way costs, per attention layer, with CP processes, a batch of N, T tokens in all:
 #   allgather: every process holds (and saves for backward) the whole K and V, 2 N T dim
-#     numbers, beside its 1/CP of the rest; it receives (CP - 1)/CP of them in forward and
-#     sends as much of their gradients in backward (a reduce-scatter). Nothing overlaps: the
-#     all-gather must finish before attention starts. Simple, and cheap while K and V fit.
-#     Causal: a mask from the tokens' true positions; the masked half is computed anyway.
+#     numbers; it receives (CP - 1)/CP of them in forward and sends as much of their gradients
+#     in backward (a reduce-scatter), before and after attention: nothing overlaps. Simple,
+#     cheap while K and V fit. Causal: masked by true positions; the masked half is computed.
 #   ring: every process holds its own K/V block and one in flight, 2 x 2 N T dim / CP numbers,
-#     and saves only its own for backward. Forward sends CP - 1 blocks to the next process,
-#     each while the previous one is computed; backward sends the K/V blocks again (CP - 1)
-#     and their gradient accumulators once around the whole ring (CP), about 3x forward's bytes.
-#     Memory stays 1/CP at any length; the sends hide behind compute when a block's attention
-#     takes longer than its transfer. Causal: a block of keys after the queries is skipped,
-#     not computed (about half the work), the one at the queries' own place is masked.
+#     and saves only its own. Forward sends CP - 1 blocks on, each while the previous one is
+#     computed; backward sends them again and their gradient accumulators once round (CP),
+#     about 3x forward's bytes. Memory stays 1/CP at any length; the sends hide behind compute
+#     when a block's attention takes longer than its transfer. Causal: a key block after the
+#     queries is skipped (about half the work), the one at their own place masked.
 def ring_pass(tensor, group):
     """Start sending tensor to the next process of the ring and receiving the previous one's
     (one send, one receive, all processes of the group at once); returns (received, requests)."""
@@ -147,11 +137,10 @@ def blocks(chunks, mine, source, causal):
 
 
 class RingAttention(torch.autograd.Function):
-    """softmax(q k^T / sqrt(d)) v over every process's keys and values, one block at a time.
-    PyTorch's CPU attention kernels do not return the log-sum-exp that merging needs, so the
-    math is written out (in fp32), as in picotron's context_parallel.py. K and V travel in
-    their own dtype (bf16 under --amp bf16: half the bytes); scores, softmax statistics and
-    the merge are fp32, as is the gradient accumulator that goes round in backward."""
+    """softmax(q k^T / sqrt(d)) v over every process's keys and values, one block at a time;
+    the math written out (PyTorch's CPU kernels do not return the log-sum-exp that merging
+    needs), as in picotron's. K and V travel in their dtype (bf16 under --amp bf16: half the
+    bytes); scores, softmax statistics, the merge and backward's gradient accumulator: fp32."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, chunks, causal):
@@ -236,6 +225,7 @@ def allgather_attention(q, k, v, group, chunks, causal):
 def split_attention(model, group, impl, chunks, causal):
     """Every block's attention over the whole sequence, each process holding its `chunks`."""
     attend = RingAttention.apply if impl == "ring" else allgather_attention
+    model.group = group  # LongViT's mean over every row
     for block in model.blocks:  # group by position: apply() takes no keywords in 2.9
         block.attn.attend = lambda q, k, v: attend(q, k, v, group, chunks, causal)
 
@@ -245,9 +235,9 @@ class LongViT(ViT):
     of 7 x 7. With a context-parallel group, each process runs its own rows (`mine`: their
     (start, end) chunks) and an all-gather puts the mean over every row together."""
 
-    def __init__(self, in_channels, num_classes, size, dim, heads, group=None, mine=None):
+    def __init__(self, in_channels, num_classes, size, dim, heads, mine=None):
         super().__init__(in_channels, num_classes, size, dim, heads=heads, patch=(1, size))
-        self.group, self.mine = group, mine or [(0, size)]
+        self.group, self.mine = None, mine or [(0, size)]
 
     def forward(self, rows):  # this process's rows of each image
         x = self.patch_embed(rows).flatten(2).transpose(1, 2) + own(self.pos, self.mine, 1)
@@ -293,10 +283,9 @@ def main(argv=None):
         train_set, test_set, num_classes, in_channels = load_datasets(
             args.data, args.data_dir, args.download, None, info.local_rank, args.seq_len
         )
-        text = args.model == "gpt"
-        tokens = args.seq_len if text else train_set[0][0].shape[-2]  # bytes, or image rows
-        pieces = cp * (2 if args.cp_balance == "zigzag" else 1)  # even chunks, no padding
-        if tokens % pieces:
+        text, sample = args.model == "gpt", train_set[0][0]
+        tokens = args.seq_len if text else sample.shape[-2]  # bytes, or image rows
+        if tokens % (pieces := cp * (2 if args.cp_balance == "zigzag" else 1)):  # no padding
             how = f"--cp-balance {args.cp_balance} cuts the {tokens} tokens into {pieces} chunks"
             fail(f"CP degree {cp}: {how}; they do not divide evenly")
         # The mesh: CP groups of cp consecutive ranks, one node's if cp divides its processes.
@@ -321,11 +310,11 @@ def main(argv=None):
                 return own(inputs, mine, 1), own(labels, mine, 1)
             return own(inputs, mine, 2), labels  # a ViT's tokens are the images' rows
 
-        if text:
-            build = functools.partial(LongGPT, tokens, args.dim, args.heads, mine)
-        else:
-            build = functools.partial(LongViT, in_channels, num_classes, tokens, args.dim)
-            build = functools.partial(build, args.heads, group, mine)
+        unsplit = functools.partial(LongGPT, tokens)  # the model: every token a process's
+        if not text:
+            unsplit = functools.partial(LongViT, in_channels, num_classes, tokens)
+        unsplit = functools.partial(unsplit, args.dim, args.heads)
+        build = functools.partial(unsplit, mine=mine)  # this process's tokens only
 
         def shard(model):
             if not info.distributed:
@@ -351,10 +340,14 @@ def main(argv=None):
         model.to_empty(device=device)
         fill = StateDictOptions(full_state_dict=True, broadcast_from_rank0=info.distributed)
         set_model_state_dict(model, initial or {}, options=fill)  # all ranks participate
+        dtype = torch.bfloat16 if args.amp == "bf16" else None  # the compute's (MFU's peak)
         use_autocast = args.amp == "bf16" and not info.distributed  # FSDP gives bf16 itself
-        autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, use_autocast)
+        autocast = functools.partial(torch.autocast, device.type, dtype, use_autocast)
 
         out = sharded_output(args.output_dir)  # every rank writes there: every rank checks
+        profiler = Profiler(args.profile, rank, device)  # a trace of a few steps per rank
+        with torch.device("meta"):  # a step's FLOPs: the whole model on the global batch
+            flops = step_flops(unsplit(), sample.expand(global_batch, *sample.shape))
 
         lr = args.lr * global_batch / 256
         optimizer = torch.optim.AdamW(model.parameters(), lr, weight_decay=args.weight_decay)
@@ -429,6 +422,7 @@ def main(argv=None):
                 optimizer.step()  # this rank's shards only
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
+                profiler.step()
                 step, done = step + 1, done + 1
                 last = done == steps or step == args.max_steps
                 if step % args.log_every == 0 or last:  # all ranks participate: all stop on a NaN
@@ -441,11 +435,13 @@ def main(argv=None):
             speed, lr_now = done * global_batch / seconds, scheduler.get_last_lr()[0]
             record = dict(epoch=epoch, step=step, train_loss=train_loss, test_loss=test_loss)
             record.update(test_acc=test_acc, epoch_seconds=seconds, samples_per_second=speed)
-            record.update(lr=lr_now, world_size=world)
+            rates = flop_rates(flops * done, seconds, device, dtype, args.peak_tflops, world)
+            record.update(lr=lr_now, world_size=world, **rates)
             end_epoch(metrics, record)  # printed; in metrics.jsonl before the checkpoint
             if out:
                 save(step)  # all ranks participate
 
+        profiler.stop()
         # The whole model in one file that loads into models.GPT or models.ViT(patch=(1, 28))
         # without DTensor (all ranks participate); a sample of what the GPT learnt.
         whole = export_whole(model, filter(None, [out and out / "model.pt", args.export]))

@@ -7,10 +7,8 @@ a token's compute stays that of k small MLPs. With EP processes each holds E/EP 
 rest (attention, norms, routers, embedding, head) is whole on every process, its gradients
 averaged as DDP does. Use it when the experts do not fit on one device, or to spread their
 compute; the all-to-alls carry every token twice per layer each way: fast links inside a
-node, and across nodes replicas (--ep below the number of processes).
-
-    4 processes, --ep 2:  mesh [[0, 1],    each row an EP group: experts 0-3 on ranks 0 and 2,
-                                [2, 3]]    4-7 on 1 and 3; each column holds the same experts
+node, and across nodes replicas (--ep below the number of processes: at 4 processes, --ep 2
+makes EP groups of ranks 0-1 and 2-3, ranks 0 and 2 holding experts 0-3, ranks 1 and 3 4-7).
 
 Launch (--output-dir: one directory for all processes, on several nodes a shared one):
     python expert_parallel.py                                     # one process, every expert
@@ -63,14 +61,8 @@ from common import (
 )
 from data import load_datasets, pad_batches, shard_loaders
 from models import build_model, generate
-from training import (
-    check_sharded_args,
-    end_epoch,
-    evaluate,
-    log_loss,
-    sharded_parser,
-    warmup_cosine,
-)
+from profiling import Profiler, flop_rates, step_flops
+from training import end_epoch, evaluate, log_loss, sharded_args, sharded_parser, warmup_cosine
 
 
 def get_args(argv=None):
@@ -87,7 +79,7 @@ def get_args(argv=None):
     add("--batch-size", type=int, help="samples per process per step (default 128; text: 16)")
     args = p.parse_args(argv)
     at_least_1 = ("experts", "top_k", "ep", "dim", "heads")
-    check_sharded_args(args, at_least_1, ("aux_loss_weight",), ("capacity_factor",), (128, 16))
+    sharded_args(args, at_least_1, ("aux_loss_weight",), ("capacity_factor",), (128, 16))
     if args.top_k > args.experts:
         fail(f"--top-k {args.top_k} is more than the {args.experts} experts")
     return args
@@ -123,10 +115,9 @@ class MoE(nn.Module):
         logits = self.router(x)  # (samples, tokens, E)
         top, expert = logits.topk(self.top_k, dim=-1)
         weight = top.softmax(-1)  # the mix of the token's k outputs (as Mixtral)
-        # Capacity: an expert takes at most C of a sample's choices, all first choices before
-        # any second one, in token order; the rest are dropped (the residual carries the token
-        # on). Per sample (an image, a sequence), not per batch: a sample's output does not
-        # depend on the samples beside it, so evaluation is exact at any batch and world size.
+        # Capacity: an expert takes at most C of a sample's choices, every first choice before
+        # any second, in token order; the rest dropped (the residual carries the token on). Per
+        # sample, not per batch: evaluation is exact at any batch size and number of processes.
         samples, tokens, k = expert.shape
         capacity = math.ceil(self.capacity_factor * k * tokens / self.experts)
         queue = torch.zeros(*expert.shape, self.experts, dtype=torch.int32, device=x.device)
@@ -160,10 +151,7 @@ class MoE(nn.Module):
         h = x[token]
         if torch.is_autocast_enabled(h.device.type):  # rows travel in the compute dtype
             h = h.to(torch.get_autocast_dtype(h.device.type))  # (bf16: half the bytes)
-        if self.ep > 1:
-            y = self.exchange(h, sizes[: self.experts], sizes[self.experts :], received)
-        else:
-            y = self.run_experts(h, sizes)
+        y = self.exchange(h, sizes, received) if self.ep > 1 else self.run_experts(h, sizes)
         # Each token's outputs, weighted, summed back in its row; a dropped choice adds 0.
         mixed = (y * weight.flatten()[chosen, None]).to(x.dtype)
         return x.new_zeros(x.shape).index_add(0, token, mixed).view(samples, tokens, dim)
@@ -175,11 +163,12 @@ class MoE(nn.Module):
         out = [F.gelu(r @ w1[e] + b1[e]) @ w2[e] + b2[e] for e, r in enumerate(rows)]
         return torch.cat(out).to(h.dtype)  # back in the dtype the rows came in
 
-    def exchange(self, h, counts, received, on_device):
+    def exchange(self, h, sizes, on_device):
         """The rows to their experts' processes, through the experts, and back (all ranks of
         the EP group participate). Autograd runs both exchanges reversed in backward: each
         output's gradient back to its expert, each input's back to its token's process."""
         ep, group, mine = self.ep, self.group, self.experts // self.ep
+        counts, received = sizes[: self.experts], sizes[self.experts :]  # sent, received
         send = [sum(counts[p * mine : (p + 1) * mine]) for p in range(ep)]
         recv = [sum(received[p * mine : (p + 1) * mine]) for p in range(ep)]
         # 2. The rows (dim numbers each) to the process of their expert.
@@ -195,9 +184,8 @@ class MoE(nn.Module):
 
 
 def histogram(values, n):  # how often each of 0..n-1 occurs (bincount waits for the device)
-    return torch.zeros(n, dtype=torch.long, device=values.device).index_add_(
-        0, values, torch.ones_like(values)
-    )
+    ones = torch.ones_like(values)
+    return torch.zeros(n, dtype=torch.long, device=values.device).index_add_(0, values, ones)
 
 
 def balance_loss(moes):
@@ -244,11 +232,11 @@ def split_grads(model):
 
 @torch.no_grad()
 def average_gradients(model, mesh, world):
-    """DDP's averaging, by hand, in one all-reduce per kind (all ranks participate). The loss
-    is the mean of the processes' losses, so every gradient is a sum over them / world.
-    Whole tensors: each process has its own tokens' part, summed over all. Experts: each
-    already holds its EP group's sum (the exchanges brought every token's gradient to it);
-    with replicas (dp > 1) summed over the processes holding the same experts too."""
+    """DDP's averaging, by hand, one all-reduce per kind (all ranks participate): the loss is
+    the mean of the processes' losses, every gradient a sum over them / world. Whole tensors:
+    each process has its tokens' part, summed over all. Experts: each holds its EP group's sum
+    already (the exchanges brought it every token's gradient); with replicas (dp > 1) summed
+    over the processes holding the same experts too."""
     if mesh is None:
         return
     whole, experts = split_grads(model)
@@ -307,10 +295,11 @@ def main(argv=None):
         # Built on no device whole, as in fsdp_train.py: the shapes on the meta device, the
         # experts cut, then memory for this process's experts and the whole rest only, filled
         # from rank 0's seeded CPU copy (all ranks participate).
-        text, size = args.model == "gpt", train_set[0][0].shape[-1]  # an image's side
-        dense = partial(build_model, args.model, in_channels, num_classes, size, args.dim)
+        text, sample = args.model == "gpt", train_set[0][0]  # an image, or a sequence
+        shape = (sample.shape[-1], args.dim, args.heads, args.seq_len)
+        dense = partial(build_model, args.model, in_channels, num_classes, *shape)
         moe = (args.experts, args.top_k, args.capacity_factor)
-        build = lambda: with_experts(dense(args.heads, args.seq_len), *moe)  # noqa: E731
+        build = lambda: with_experts(dense(), *moe)  # noqa: E731
         with torch.device("meta"):
             model = build()
         initial = initial_state(build, args.seed)  # rank 0: the whole model; None elsewhere
@@ -322,6 +311,9 @@ def main(argv=None):
         autocast = partial(torch.autocast, device.type, torch.bfloat16, args.amp == "bf16")
 
         out = sharded_output(args.output_dir)  # every rank writes there: every rank checks
+        profiler = Profiler(args.profile, rank, device)  # a trace of a few steps per rank
+        with torch.device("meta"):  # a step's FLOPs: the dense model of the same compute
+            flops = step_flops(dense(), sample.expand(global_batch, *sample.shape))
 
         # The optimizer, made after the cut: it holds (and steps) this process's experts.
         lr = args.lr * global_batch / 256
@@ -391,6 +383,7 @@ def main(argv=None):
                 optimizer.step()  # the whole tensors, and this process's experts
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
+                profiler.step()
                 step, done = step + 1, done + 1
                 last = done == steps or step == args.max_steps
                 if step % args.log_every == 0 or last:  # all ranks participate: all stop on a NaN
@@ -406,7 +399,9 @@ def main(argv=None):
             record.update(test_acc=test_acc, epoch_seconds=seconds, samples_per_second=speed)
             # Per block: the token choices each expert took this epoch; and those dropped.
             tokens, dropped = [r[:-1] for r in load], [r[-1] for r in load]
-            record.update(lr=lr_now, world_size=world, ep=ep)
+            dtype = torch.bfloat16 if args.amp == "bf16" else None  # MFU's peak is the dtype's
+            rates = flop_rates(flops * done, seconds, device, dtype, args.peak_tflops, world)
+            record.update(lr=lr_now, world_size=world, ep=ep, **rates)
             record.update(expert_tokens=tokens, dropped_tokens=dropped)
             end_epoch(metrics, record)  # printed; in metrics.jsonl before the checkpoint
             busiest = max(max(r[:-1]) / max(1, sum(r[:-1]) / args.experts) for r in load)
@@ -417,6 +412,7 @@ def main(argv=None):
                 dcp.save(state, checkpoint_id=out / "checkpoint.tmp")  # as in fsdp_train.py
                 publish_sharded(out, meta)
 
+        profiler.stop()
         # The whole model in one file that loads without DTensor (all ranks participate).
         whole = export_whole(model, filter(None, [out and out / "model.pt", args.export]))
         if text and whole:  # rank 0: a sample of what the GPT learnt

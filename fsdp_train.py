@@ -55,14 +55,8 @@ from checkpoint import (
 from common import cleanup, fail, init_distributed_mode, peer_failure, print0, require_torch
 from data import load_datasets, pad_batches, shard_loaders
 from models import MODELS, build_model, generate
-from training import (
-    check_sharded_args,
-    end_epoch,
-    evaluate,
-    log_loss,
-    sharded_parser,
-    warmup_cosine,
-)
+from profiling import Profiler, flop_rates, step_flops
+from training import end_epoch, evaluate, log_loss, sharded_args, sharded_parser, warmup_cosine
 
 
 def get_args(argv=None):
@@ -86,7 +80,7 @@ def get_args(argv=None):
     add("--save-every", type=int, default=0, help="steps between mid-epoch checkpoints; 0: none")
     add("--async-save", action="store_true", help="write checkpoints while training goes on")
     args = p.parse_args(argv)
-    check_sharded_args(args, ("accum_steps", "replicate"), not_negative=("save_every",))
+    sharded_args(args, ("accum_steps", "replicate"), not_negative=("save_every",))
     if (args.save_every or args.async_save) and not args.output_dir:
         fail("--save-every and --async-save need --output-dir (where the checkpoints go)")
     if args.checkpoint_activations and args.model not in ("vit", "resnet18", "gpt"):
@@ -162,8 +156,10 @@ def main(argv=None):
         # Built on no device whole: the shapes on the meta device (no memory), sharded, then
         # memory for this rank's shards only, filled by broadcast from rank 0's whole copy in
         # CPU memory: seeded as one process builds it, or the --init-from file.
-        text, size = args.model == "gpt", train_set[0][0].shape[-1]  # an image's side
-        build = functools.partial(build_model, args.model, in_channels, num_classes, size)
+        text, sample = args.model == "gpt", train_set[0][0]  # an image, or a sequence
+        build = functools.partial(
+            build_model, args.model, in_channels, num_classes, sample.shape[-1]
+        )
         build = functools.partial(build, seq_len=args.seq_len)  # gpt: a causal decoder of bytes
         with torch.device("meta"):
             model = build()
@@ -181,10 +177,14 @@ def main(argv=None):
             for block in units(model):
                 block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
         # One process has nothing to shard: autocast gives it bf16 instead.
-        use_autocast = args.amp == "bf16" and not info.distributed
-        autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, use_autocast)
+        dtype = torch.bfloat16 if args.amp == "bf16" else None  # the compute's (MFU's peak)
+        use_autocast = args.amp == "bf16" and not info.distributed  # FSDP gives bf16 itself
+        autocast = functools.partial(torch.autocast, device.type, dtype, use_autocast)
 
         out = sharded_output(args.output_dir)  # every rank writes there: every rank checks
+        profiler = Profiler(args.profile, rank, device)  # a trace of a few steps per rank
+        with torch.device("meta"):  # a step's FLOPs: the whole model on the global batch
+            flops = step_flops(build(), sample.expand(global_batch, *sample.shape))
 
         # The optimizer, made after fully_shard: it holds (and steps) the local shards only.
         lr = args.lr * global_batch / 256
@@ -295,6 +295,7 @@ def main(argv=None):
                 optimizer.step()  # this rank's shards only
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
+                profiler.step()
                 step, done = step + 1, done + 1
                 last = done == steps or step == args.max_steps
                 snapshot = args.save_every and step % args.save_every == 0 and not last
@@ -310,13 +311,15 @@ def main(argv=None):
             speed, lr_now = done * global_batch / seconds, scheduler.get_last_lr()[0]
             record = dict(epoch=epoch, step=step, train_loss=train_loss, test_loss=test_loss)
             record.update(test_acc=test_acc, epoch_seconds=seconds, samples_per_second=speed)
-            record.update(lr=lr_now, world_size=world)
+            rates = flop_rates(flops * done, seconds, device, dtype, args.peak_tflops, world)
+            record.update(lr=lr_now, world_size=world, **rates)
             end_epoch(metrics, record)  # printed; in metrics.jsonl before the checkpoint
             if out:
                 save(step)  # all ranks participate
         if pending:
             pending.pop()()  # the last checkpoint written (and published by rank 0)
 
+        profiler.stop()
         # The whole model in one file that loads without FSDP (all ranks participate).
         whole = export_whole(raw_model, filter(None, [out and out / "model.pt", args.export]))
         if text and whole:  # rank 0: a sample of what the GPT learnt

@@ -58,14 +58,8 @@ from checkpoint import (
 from common import cleanup, fail, init_distributed_mode, peer_failure, print0, require_torch
 from data import load_datasets, pad_batches, shard_loaders
 from models import build_model, generate
-from training import (
-    check_sharded_args,
-    end_epoch,
-    evaluate,
-    log_loss,
-    sharded_parser,
-    warmup_cosine,
-)
+from profiling import Profiler, flop_rates, step_flops
+from training import end_epoch, evaluate, log_loss, sharded_args, sharded_parser, warmup_cosine
 
 
 def get_args(argv=None):
@@ -79,7 +73,7 @@ def get_args(argv=None):
     add("--heads", type=int, default=4, help="the model's attention heads")
     add("--batch-size", type=int, help="samples per TP group per step (default 128; text: 32)")
     args = p.parse_args(argv)
-    return check_sharded_args(args, ("dp", "tp", "dim", "heads"), batch=(128, 32))
+    return sharded_args(args, ("dp", "tp", "dim", "heads"), batch=(128, 32))
 
 
 def move(src, dst, local=True):
@@ -154,8 +148,8 @@ def main(argv=None):
         steps_per_epoch, global_batch = len(train_loader), args.batch_size * dp
         total_steps = args.epochs * steps_per_epoch
 
-        text, size = args.model == "gpt", train_set[0][0].shape[-1]  # an image's side
-        shape = (size, args.dim, args.heads, args.seq_len)
+        text, sample = args.model == "gpt", train_set[0][0]  # an image, or a sequence
+        shape = (sample.shape[-1], args.dim, args.heads, args.seq_len)
         build = functools.partial(build_model, args.model, in_channels, num_classes, *shape)
 
         def split(model):
@@ -191,10 +185,14 @@ def main(argv=None):
         model.to_empty(device=device)
         fill = StateDictOptions(full_state_dict=True, broadcast_from_rank0=info.distributed)
         set_model_state_dict(model, initial or {}, options=fill)  # all ranks participate
+        dtype = torch.bfloat16 if args.amp == "bf16" else None  # the compute's (MFU's peak)
         use_autocast = args.amp == "bf16" and dp == 1  # without FSDP, autocast gives bf16
-        autocast = functools.partial(torch.autocast, device.type, torch.bfloat16, use_autocast)
+        autocast = functools.partial(torch.autocast, device.type, dtype, use_autocast)
 
         out = sharded_output(args.output_dir)  # every rank writes there: every rank checks
+        profiler = Profiler(args.profile, rank, device)  # a trace of a few steps per rank
+        with torch.device("meta"):  # a step's FLOPs: the whole model on the global batch
+            flops = step_flops(build(), sample.expand(global_batch, *sample.shape))
 
         # The optimizer, made after the split: it holds (and steps) this process's pieces.
         lr = args.lr * global_batch / 256
@@ -266,6 +264,7 @@ def main(argv=None):
                 optimizer.step()  # this process's pieces only
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
+                profiler.step()
                 step, done = step + 1, done + 1
                 last = done == steps or step == args.max_steps
                 if step % args.log_every == 0 or last:  # all ranks participate: all stop on a NaN
@@ -278,11 +277,13 @@ def main(argv=None):
             speed, lr_now = done * global_batch / seconds, scheduler.get_last_lr()[0]
             record = dict(epoch=epoch, step=step, train_loss=train_loss, test_loss=test_loss)
             record.update(test_acc=test_acc, epoch_seconds=seconds, samples_per_second=speed)
-            record.update(lr=lr_now, world_size=world)
+            rates = flop_rates(flops * done, seconds, device, dtype, args.peak_tflops, world)
+            record.update(lr=lr_now, world_size=world, **rates)
             end_epoch(metrics, record)  # printed; in metrics.jsonl before the checkpoint
             if out:
                 save(step)  # all ranks participate
 
+        profiler.stop()
         # The whole model in one file that loads without DTensor (all ranks participate).
         whole = export_whole(model, filter(None, [out and out / "model.pt", args.export]))
         if text and whole:  # rank 0: a sample of what the GPT learnt

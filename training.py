@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from checkpoint import append_metrics
 from common import ArgumentParser, check_flags, fail, print0, reduce_value
 from data import DATASETS, TEXT
+from profiling import add_flags
 
 
 def sharded_parser(doc):
@@ -40,10 +41,11 @@ def sharded_parser(doc):
     add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if any")
     add("--backend", choices=["gloo", "nccl"], help="default: nccl on CUDA, else gloo")
     add("--dist-timeout", type=float, default=300, help="seconds before a lost peer ends the job")
+    add_flags(p)  # --profile DIR, --peak-tflops (profiling.py)
     return p
 
 
-def check_sharded_args(args, at_least_1=(), not_negative=(), positive=(), batch=(128, 16)):
+def sharded_args(args, at_least_1=(), not_negative=(), positive=(), batch=(128, 16)):
     """check_flags for a sharded script's flags, the shared ones' bounds added; the defaults
     that depend on the data filled in: (images, text) for --epochs, --lr and `batch`'s
     --batch-size. A text sample is a sequence of --seq-len tokens, an image one of 16."""
@@ -53,7 +55,8 @@ def check_sharded_args(args, at_least_1=(), not_negative=(), positive=(), batch=
             setattr(args, name, defaults[text])
     at_least_1 = ("epochs", "batch_size", "log_every", "seq_len", *at_least_1)
     not_negative = ("max_steps", "clip_grad", *not_negative)
-    check_flags(args, at_least_1, not_negative, ("lr", "dist_timeout", *positive))
+    positive = ("lr", "dist_timeout", "peak_tflops", *positive)
+    check_flags(args, at_least_1, not_negative, positive)
     if not 0 <= args.warmup < 1:
         fail(f"--warmup is a fraction of the run, in [0, 1); got {args.warmup}")
     if args.eval_only and not args.resume:

@@ -119,14 +119,18 @@ def build(name, wrapper, args):
     """The network: models.py's, the ViT --vit-dim wide; for CP and EP their scripts' ViTs."""
     if name != "vit":
         return build_model(name, 1, 10, image_size=28)
-    if wrapper == "cp":
-        from context_parallel import LongViT
+    if wrapper == "cp":  # each process its rows, attention by the ring
+        import context_parallel as cp
 
-        return LongViT(1, 10, 28, args.vit_dim, 4, dist.group.WORLD, "ring")
+        chunks = cp.layout(28, dist.get_world_size(), "contiguous")
+        group, mine = dist.group.WORLD, chunks[dist.get_rank()]
+        model = cp.LongViT(1, 10, 28, args.vit_dim, 4, mine)
+        cp.split_attention(model, group, "ring", chunks, causal=False)
+        return model
     if wrapper == "ep":
-        from expert_parallel import MoEViT
+        from expert_parallel import with_experts
 
-        return MoEViT(1, 10, 28, args.vit_dim, 4, 8, 2, 1.25)
+        return with_experts(ViT(1, 10, 28, dim=args.vit_dim), 8, 2, 1.25)
     return ViT(1, 10, 28, dim=args.vit_dim)
 
 
@@ -169,13 +173,16 @@ def measure(name, wrapper, args, info):
     else:
         optimizer = local_optimizer = torch.optim.AdamW(model.parameters(), **adamw)
     images, labels = torch.randn(per_rank, 1, 28, 28), torch.randint(0, 10, (per_rank,))
+    if wrapper == "cp":  # this process's rows of each image
+        images = images[:, :, model.mine[0][0] : model.mine[0][1]]
     seconds, held = [], {}
     for step in range(args.steps + 1):
         start = time.perf_counter()
         with saved_bytes(held) if step == 0 else contextlib.nullcontext():
             loss = F.cross_entropy(net(images), labels)
             if wrapper == "ep":  # the routers' balancing loss, as expert_parallel.py's
-                loss = loss + 0.01 * sum(block.mlp.aux_loss for block in model.blocks)
+                moes = [block.mlp for block in model.blocks]
+                loss = loss + 0.01 * expert_parallel.balance_loss(moes)
         if step == 0:
             held["params in forward"] = local_bytes(model.parameters())
             held["activations"] = sum(held.pop("storages").values())
