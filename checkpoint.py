@@ -173,8 +173,9 @@ def find_checkpoint(args, model):
 
     def check():
         meta = read_sharded_meta(path)
-        if (saved := meta["args"]["model"]) != args.model:
-            fail(f"checkpoint {path} holds a --model {saved}, not {args.model}")
+        for flag in ("model", "heads"):  # the heads do not show in the weights' shapes
+            if (saved := meta["args"].get(flag)) != (this := getattr(args, flag)):
+                fail(f"checkpoint {path} holds a --{flag} {saved}, not {this}")
         check_weights(meta["shapes"], model, path)  # --dim, --heads, --seq-len, ...
         return meta
 

@@ -71,12 +71,10 @@ def get_args(argv=None):
     add("--cp-impl", default="ring", choices=["ring", "allgather"], help="how K/V travel")
     balance = "which tokens each process holds (default: zigzag for gpt, contiguous for vit)"
     add("--cp-balance", choices=["zigzag", "contiguous"], help=balance)
-    add("--dim", type=int, default=96, help="the model's width")
-    add("--heads", type=int, default=4, help="the model's attention heads")
-    add("--batch-size", type=int, help="samples per CP group per step (default 128; text: 32)")
+    add("--batch-size", type=int, help="samples per CP group per step (default 128; text: 16)")
     args = p.parse_args(argv)
     args.cp_balance = args.cp_balance or ("zigzag" if args.model == "gpt" else "contiguous")
-    return sharded_args(args, ("dp", "cp", "dim", "heads"), batch=(128, 32))
+    return sharded_args(args, ("dp", "cp"), batch=(128, 16))
 
 
 def layout(tokens, cp, balance):
@@ -154,12 +152,14 @@ class RingAttention(torch.autograd.Function):
                 if step + 1 < size:  # pass this block on while computing with it
                     next_kv, requests = ring_pass(kv, group)
                 for rows, cols, diagonal in blocks(chunks, me, (me - step) % size, causal):
-                    scores = qf[..., rows, :] @ kv[0, ..., cols, :].float().transpose(-2, -1)
-                    scores *= scale
+                    scores = (qf[..., rows, :] @ kv[0, ..., cols, :].float().mT).mul_(scale)
                     if diagonal:  # its last n columns are the chunk's own keys
                         scores[..., -n:].masked_fill_(future, -math.inf)
-                    block_lse = scores.logsumexp(-1, keepdim=True)  # log softmax's denominator
-                    block_out = torch.exp(scores - block_lse) @ kv[1, ..., cols, :].float()
+                    top = scores.amax(-1, keepdim=True)  # softmax over this block, stable:
+                    weights = scores.sub_(top).exp_()  # one exp for the block, in place
+                    total = weights.sum(-1, keepdim=True)
+                    block_out = weights @ kv[1, ..., cols, :].float() / total
+                    block_lse = top + total.log()  # log of softmax's denominator
                     # Merged: each part weighted by its share of the denominator over both.
                     old = lse[..., rows, :]
                     new = torch.logaddexp(old, block_lse)
@@ -188,14 +188,14 @@ class RingAttention(torch.autograd.Function):
             grads = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             for rows, cols, diagonal in blocks(chunks, me, (me - step) % size, causal):
                 keys, values = kv[0, ..., cols, :].float(), kv[1, ..., cols, :].float()
-                scores = qf[..., rows, :] @ keys.transpose(-2, -1) * scale
+                scores = (qf[..., rows, :] @ keys.mT).mul_(scale)
                 if diagonal:
                     scores[..., -n:].masked_fill_(future, -math.inf)
-                p = torch.exp(scores - lse[..., rows, :])  # softmax, from the lse
-                ds = p * (dout[..., rows, :] @ values.transpose(-2, -1) - delta[..., rows, :])
+                p = scores.sub_(lse[..., rows, :]).exp_()  # softmax, from the lse
+                ds = (dout[..., rows, :] @ values.mT).sub_(delta[..., rows, :]).mul_(p)
                 dq[..., rows, :] += ds @ keys * scale
-                grads[0, ..., cols, :] += ds.transpose(-2, -1) @ qf[..., rows, :] * scale
-                grads[1, ..., cols, :] += p.transpose(-2, -1) @ dout[..., rows, :]
+                grads[0, ..., cols, :] += ds.mT @ qf[..., rows, :] * scale
+                grads[1, ..., cols, :] += p.mT @ dout[..., rows, :]
             if dkv is not None:  # this block's gradient from the processes before this one
                 wait(dkv_requests)
                 grads += dkv

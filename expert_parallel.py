@@ -74,12 +74,10 @@ def get_args(argv=None):
     add("--aux-loss-weight", type=float, default=0.01, help="weight of the balancing loss")
     add("--ep", type=int, help="expert-parallel degree (default: all processes)")
     add("--model", default="vit", choices=["vit", "gpt"], help="gpt: on --data text")
-    add("--dim", type=int, default=96, help="the model's width")
-    add("--heads", type=int, default=4, help="the model's attention heads")
-    add("--batch-size", type=int, help="samples per process per step (default 128; text: 16)")
+    add("--batch-size", type=int, help="samples per process per step (default 128; text: 8)")
     args = p.parse_args(argv)
-    at_least_1 = ("experts", "top_k", "ep", "dim", "heads")
-    sharded_args(args, at_least_1, ("aux_loss_weight",), ("capacity_factor",), (128, 16))
+    at_least_1 = ("experts", "top_k", "ep")
+    sharded_args(args, at_least_1, ("aux_loss_weight",), ("capacity_factor",), (128, 8))
     if args.top_k > args.experts:
         fail(f"--top-k {args.top_k} is more than the {args.experts} experts")
     return args

@@ -63,7 +63,7 @@ def get_args(argv=None):
     p = sharded_parser(__doc__)  # --data, --epochs, --lr, ..., --dist-timeout: training.py's
     add = p.add_argument
     add("--model", default="vit", choices=[*sorted(MODELS), "gpt"], help="gpt: on --data text")
-    per = "samples per process per micro-batch (default 128; text: 16 sequences)"
+    per = "samples per process per micro-batch (default 128; text: 8 sequences)"
     add("--batch-size", type=int, help=per)
     add("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
     reshard = "free a block's gathered weights after forward (--no-...: keep them for backward)"
@@ -157,10 +157,8 @@ def main(argv=None):
         # memory for this rank's shards only, filled by broadcast from rank 0's whole copy in
         # CPU memory: seeded as one process builds it, or the --init-from file.
         text, sample = args.model == "gpt", train_set[0][0]  # an image, or a sequence
-        build = functools.partial(
-            build_model, args.model, in_channels, num_classes, sample.shape[-1]
-        )
-        build = functools.partial(build, seq_len=args.seq_len)  # gpt: a causal decoder of bytes
+        shape = (sample.shape[-1], args.dim, args.heads, args.seq_len)  # an image's side, ...
+        build = functools.partial(build_model, args.model, in_channels, num_classes, *shape)
         with torch.device("meta"):
             model = build()
         initial = initial_state(build, args.seed, args.init_from, model)  # rank 0: the whole

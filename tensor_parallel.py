@@ -69,11 +69,9 @@ def get_args(argv=None):
     add("--tp", type=int, help="tensor-parallel degree (default: processes / --dp)")
     add("--sequence-parallel", action="store_true", help="norms, residuals by token (TP > 1)")
     add("--model", default="vit", choices=["vit", "gpt"], help="gpt: on --data text")
-    add("--dim", type=int, default=96, help="the model's width")
-    add("--heads", type=int, default=4, help="the model's attention heads")
-    add("--batch-size", type=int, help="samples per TP group per step (default 128; text: 32)")
+    add("--batch-size", type=int, help="samples per TP group per step (default 128; text: 16)")
     args = p.parse_args(argv)
-    return sharded_args(args, ("dp", "tp", "dim", "heads"), batch=(128, 32))
+    return sharded_args(args, ("dp", "tp"), batch=(128, 16))
 
 
 def move(src, dst, local=True):

@@ -32,13 +32,15 @@ from profiling import read_trace, step_time_and_waiting, union  # noqa: E402
 
 RUNS = ROOT / "benchmarks" / "runs" / "pictures"
 QUICK = ["--data", "synthetic", "--device", "cpu", "--max-steps", "6", "--dist-timeout", "120"]
+TEXT = ["--data", "text", "--model", "gpt"]
 # One step of each strategy, 2 processes each: what their collectives overlap.
 STRATEGIES = {
     "ddp": ("DDP", "ddp_train.py", ["--model", "resnet18", "--batch-size", "8"]),
-    "fsdp": ("FSDP", "fsdp_train.py", []),
-    "tp": ("tensor parallel", "tensor_parallel.py", []),
-    "cp": ("context parallel (ring)", "context_parallel.py", []),
-    "ep": ("expert parallel", "expert_parallel.py", []),
+    # The sharded ones on their language-model job: the GPT on text (a window of 256 bytes).
+    "fsdp": ("FSDP", "fsdp_train.py", TEXT),
+    "tp": ("tensor parallel", "tensor_parallel.py", TEXT),
+    "cp": ("context parallel (ring, zigzag)", "context_parallel.py", TEXT),
+    "ep": ("expert parallel", "expert_parallel.py", TEXT),
 }
 PHASE_COLORS = {
     "forward": "tab:blue",
