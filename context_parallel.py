@@ -169,14 +169,14 @@ class RingAttention(torch.autograd.Function):
                 if step + 1 < size:
                     wait(requests)
                     kv = next_kv
-        ctx.save_for_backward(q, k, v, out, lse, future)  # this process's K/V only: 1/CP
-        ctx.group, ctx.scale, ctx.chunks, ctx.causal = group, scale, chunks, causal
+        ctx.save_for_backward(q, k, v, out, lse)  # this process's K/V only: 1/CP
+        ctx.constants = group, scale, chunks, causal, future  # the mask: made once, not saved
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, future = ctx.saved_tensors
-        group, scale, chunks, causal = ctx.group, ctx.scale, ctx.chunks, ctx.causal
+        q, k, v, out, lse = ctx.saved_tensors
+        group, scale, chunks, causal, future = ctx.constants
         size, me, n = dist.get_world_size(group), dist.get_rank(group), len(future)
         qf, dout = q.float(), dout.float()
         delta = (dout * out).sum(-1, keepdim=True)  # softmax's backward: sum_j P_ij dP_ij

@@ -166,11 +166,11 @@ def test_resume_at_another_degree_ends_where_one_run_ends(tmp_path, small_text):
     """On TRAIN windows (2 steps an epoch): CP 2 (ring, zigzag) stops after 3 of 4 steps, in
     epoch 1; CP 4 (all-gather, contiguous) goes on from its shards with epoch 1's next batch
     and ends with the uninterrupted process's weights."""
-    train = [TRAIN]
-    _, ref_out, _ = lm_probe("fsdp_train.py", 1, tmp_path / "one", small_text, train=train)
+    train, two = [TRAIN], ["--epochs", 2]  # STEPS steps: 2 epochs
+    _, ref_out, _ = lm_probe("fsdp_train.py", 1, tmp_path / "one", small_text, *two, train=train)
     run = tmp_path / "run"
-    lm_probe("context_parallel.py", 2, run, small_text, "--max-steps", STEPS - 1, train=train)
-    flags = ["--cp-impl", "allgather", "--cp-balance", "contiguous"]
+    lm_probe("context_parallel.py", 2, run, small_text, *two, "--max-steps", STEPS - 1, train=train)
+    flags = [*two, "--cp-impl", "allgather", "--cp-balance", "contiguous"]
     _, out, proc = lm_probe("context_parallel.py", 4, run, small_text, *flags, train=train)
     assert "at epoch 1, step 1 of 2" in proc.stdout, proc.stdout
     a, b = whole(out), whole(ref_out)
