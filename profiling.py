@@ -50,8 +50,10 @@ PEAK_TFLOPS = {
     "RTX 4090": dict(bf16=165, fp16=165, tf32=82.6, fp32=82.6),  # fp32 accumulate
     "RTX 3090": dict(bf16=71, fp16=71, tf32=35.6, fp32=35.6),
 }
-# What the traces name collectives: gloo's and NCCL's own spans, c10d's calls, NCCL's kernels.
-COLLECTIVES = ("gloo:", "nccl:", "c10d::", "record_param_comms", "ncclDevKernel", "ncclKernel")
+# What the traces name collectives: gloo's and NCCL's own spans, c10d's calls, the functional
+# collectives that DTensor uses (tensor parallelism waits in their wait_tensor), NCCL's kernels.
+COLLECTIVES = ("gloo:", "nccl:", "c10d::", "_c10d_functional::", "record_param_comms")
+COLLECTIVES += ("ncclDevKernel", "ncclKernel")
 
 
 def add_flags(parser):
@@ -170,9 +172,13 @@ def read_trace(path):
         elif name.startswith(COLLECTIVES):
             continue
         elif cat in (("kernel", "gpu_memcpy", "gpu_memset") if gpu else ("cpu_op",)):
-            inside = comm_spans.get(e.get("tid"), ())
-            if not any(a <= start and end <= b for a, b in inside):
-                out["compute"].append((start, end, name, "gpu" if gpu else "cpu"))
+            # An operator's time inside a collective it calls (DTensor's ops call theirs) is
+            # waiting, not compute: only the parts outside its thread's collectives count.
+            # (Kernels do not nest: a stream's kernels run one after another.)
+            spans = () if gpu else comm_spans.get(e.get("tid"), ())
+            calls = [(a, b) for a, b in spans if a < end and b > start]
+            for part in subtract([(start, end)], calls) if calls else [(start, end)]:
+                out["compute"].append((*part, name, "gpu" if gpu else "cpu"))
     on_gpu = [s for s in out["steps"] if s[2]]
     out["steps"] = sorted(s[:2] for s in on_gpu or out["steps"])
     nccl = [c for c in out["collectives"] if c[3] == "gpu"]

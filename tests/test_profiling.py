@@ -10,11 +10,14 @@ import torch
 import torch.nn as nn
 from conftest import (
     MLP_ARGS,
+    ROOT,
     SYNTHETIC,
     load_ckpt,
     one_line_errors,
     read_metrics,
     run_python,
+    text_flags,
+    torchrun,
     torchrun_workers,
 )
 from torch.utils.data import DataLoader, DistributedSampler
@@ -43,6 +46,19 @@ def test_step_flops_of_the_mlp_and_a_convolution_are_the_hand_counts():
     conv = nn.Conv2d(3, 8, 3, padding=1)  # 8 x 3 x 3 x 3 multiply-adds per output pixel
     forward = 2 * 4 * 16 * 16 * 8 * 3 * 9
     assert profiling.step_flops(conv, torch.zeros(4, 3, 16, 16)) == 2 * forward
+
+
+def test_step_flops_of_the_gpt_are_the_hand_count():
+    """A GPT's step by hand: every Linear 2 m n k forward and twice that backward (the byte
+    embedding's output needs a gradient, so every layer sends one back); attention's two
+    products 2 x 2 B T^2 d a layer forward and twice that backward, counted whole although
+    the mask makes half of them zeros (as FlopCounterMode counts them, and as MFU is usually
+    reported); the embedding lookup none."""
+    B, T, d, L, V = 4, 32, 32, 4, 256
+    linears = 3 * 2 * B * T * (12 * d * d * L + d * V)  # q, k, v, proj: 4 d^2; MLP: 8 d^2
+    attention = 3 * L * 4 * B * T * T * d
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    assert profiling.step_flops(models.GPT(V, T, d, heads=2), tokens) == linears + attention
 
 
 def test_step_flops_changes_nothing_of_the_model():
@@ -205,3 +221,39 @@ def test_every_copy_profiles_and_logs_its_flop_rate(tmp_path, script):
         assert proc.stdout.count(f"rank {rank}: profile of 3 steps") == 1, proc.stdout
     (record,) = read_metrics(tmp_path / "out")
     assert record["flops_per_second"] > 0
+
+
+# The four sharded scripts, one after another in the same two torchrun processes (one start-up
+# instead of four; each main() makes and ends its own process group), each on the GPT.
+FOUR_RUNS = """
+import sys
+sys.path.insert(0, {root!r})
+import context_parallel, expert_parallel, fsdp_train, tensor_parallel
+out, argv = sys.argv[1], sys.argv[2:]
+for script in (fsdp_train, tensor_parallel, context_parallel, expert_parallel):
+    name = script.__name__
+    trace = ["--profile", f"{{out}}/trace/{{name}}"]
+    script.main([*argv, "--output-dir", f"{{out}}/{{name}}", *trace])
+"""
+
+
+@pytest.mark.slow
+def test_the_sharded_scripts_profile_and_log_their_flop_rate(tmp_path, small_text):
+    """fsdp_train.py, tensor_parallel.py, context_parallel.py and expert_parallel.py on 2
+    processes with --profile: a trace per rank with the collectives of their strategy in it,
+    one line per rank, and flops_per_second in metrics.jsonl."""
+    driver = tmp_path / "four.py"
+    driver.write_text(FOUR_RUNS.format(root=str(ROOT)))
+    flags = [*text_flags(small_text), "--dim", "32", "--max-steps", "6", "--batch-size", "4"]
+    # Real torchrun (as test_scripts.py's three runs): its store outlives each main()'s group.
+    proc = torchrun(2, [driver, tmp_path, *flags, "--dist-timeout", "60"], timeout=300)
+    for name in ("fsdp_train", "tensor_parallel", "context_parallel", "expert_parallel"):
+        for rank in range(2):
+            trace = profiling.read_trace(tmp_path / "trace" / name / f"rank{rank}.json")
+            assert len(trace["steps"]) == 3 and trace["collectives"], (name, rank)
+            _, waiting = profiling.step_time_and_waiting(trace)
+            assert waiting > 0, (name, rank)  # DTensor's collectives too, inside its operators
+        (record,) = read_metrics(tmp_path / name)
+        assert record["flops_per_second"] > 0, name
+    for rank in range(2):
+        assert proc.stdout.count(f"rank {rank}: profile of 3 steps") == 4, proc.stdout
