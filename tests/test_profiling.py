@@ -122,6 +122,26 @@ def test_a_gpu_trace_is_read_on_the_gpus_side(tmp_path):
     assert profiling.step_time_and_waiting(trace) == (0.2, 0.25)
 
 
+def test_a_collective_called_inside_an_operator_is_waiting_not_compute(tmp_path):
+    """On the CPU an operator can call its collective inside itself (DTensor's operators wait
+    in wait_tensor, the ring's attention in its sends): that time is waiting, the rest of the
+    operator compute. A trace of that shape, written here."""
+    x = lambda name, ts, dur: dict(ph="X", name=name, cat="cpu_op", ts=ts, dur=dur, tid=1)  # noqa: E731
+    events = [
+        dict(x("ProfilerStep#4", 0, 200), cat="user_annotation"),
+        x("aten::mm", 0, 50),
+        x("PythonSubclass", 50, 150),  # a DTensor linear: its all-reduce's wait inside
+        x("_c10d_functional::wait_tensor", 100, 80),
+        x("aten::add", 180, 20),
+    ]
+    path = tmp_path / "rank0.json"
+    path.write_text(json.dumps(dict(traceEvents=events)))
+    trace = profiling.read_trace(path)
+    assert [name for *_, name, _ in trace["collectives"]] == ["_c10d_functional::wait_tensor"]
+    assert profiling.union(trace["compute"]) == [(0.0, 100.0), (180.0, 200.0)]
+    assert profiling.step_time_and_waiting(trace) == (0.2, 0.4)  # 100-180 of the step's 200 us
+
+
 def profiled_run(out, profile=None):
     """ddp_train.py's MLP, 2 processes x 16, 6 steps; with --profile DIR if given."""
     argv = ["ddp_train.py", *MLP_ARGS, "--max-steps", "6", "--batch-size", "16"]
