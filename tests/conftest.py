@@ -228,6 +228,17 @@ def one_line_errors(script, argv, world=2):
     return errors
 
 
+def last_json(text):
+    """The last line of a command's output that holds JSON: the report a test's script prints
+    (PyTorch 2.9's Gloo prints a connection line of its own to every rank's stdout)."""
+    for line in reversed(text.strip().splitlines()):
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:  # "[Gloo] Rank 1 is connected to 1 peer ranks. ..."
+            continue
+    raise AssertionError(f"no JSON in the output:\n{text}")
+
+
 def read_metrics(out_dir):
     lines = (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]

@@ -16,6 +16,7 @@ from conftest import (
     SYNTHETIC,
     clean_env,
     docstring_launches_reach_the_mesh,
+    last_json,
     one_line_errors,
     read_metrics,
     run_python,
@@ -210,7 +211,7 @@ def test_ring_equals_allgather_and_what_each_sends_and_saves(tmp_path):
     (tmp_path / "count.py").write_text(COUNT)
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     proc = run_python([*launch, tmp_path / "count.py"], env=clean_env(PYTHONPATH=str(ROOT)))
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = last_json(proc.stdout)
     one, ring, gather = report["one"], report["ring"], report["allgather"]
     for impl in (ring, gather):
         assert impl["logits"] < 1e-5 and impl["grads"] < 1e-5, report
@@ -428,7 +429,7 @@ def test_causal_ring_computes_what_it_must_balances_and_sends_bf16(tmp_path):
     (tmp_path / "ring.py").write_text(RING)
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
     proc = run_python([*launch, tmp_path / "ring.py"], env=clean_env(PYTHONPATH=str(ROOT)))
-    reports = json.loads(proc.stdout.strip().splitlines()[-1])
+    reports = last_json(proc.stdout)
     n, h, t, d = 2, 2, 32, 8
     for rank, report in enumerate(reports):
         for size in (2, 4):

@@ -16,6 +16,7 @@ from conftest import (
     ROOT,
     SYNTHETIC,
     clean_env,
+    last_json,
     moe_vit,
     one_line_errors,
     read_metrics,
@@ -482,7 +483,7 @@ def test_one_host_sync_per_layer_and_bf16_rows_under_amp(tmp_path):
     under --amp bf16 the rows travel in bf16 both ways (half the bytes), else in fp32."""
     (tmp_path / "syncs.py").write_text(SYNCS)
     proc = torchrun_workers(2, [tmp_path / "syncs.py", ROOT])
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = last_json(proc.stdout)
     for name, size in (("fp32", 4), ("bf16", 2)):
         got = report[name]
         assert got["waits"] <= got["blocks"], got

@@ -4,7 +4,6 @@ new one, the same at every layout), what each rank holds, resume at another degr
 evaluation, the single-file export and bad input. All on CPU with gloo."""
 
 import functools
-import json
 import math
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from conftest import (
     SYNTHETIC,
     clean_env,
     docstring_launches_reach_the_mesh,
+    last_json,
     one_line_errors,
     read_metrics,
     run_python,
@@ -201,7 +201,7 @@ def test_each_pair_of_split_layers_costs_one_collective_each_way(tmp_path):
     (tmp_path / "count.py").write_text(COUNT)
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     proc = run_python([*launch, tmp_path / "count.py"], env=clean_env(PYTHONPATH=str(ROOT)))
-    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    counts = last_json(proc.stdout)
     assert counts == {
         "tp forward all_reduce": 4,
         "tp backward all_reduce": 4,
