@@ -236,7 +236,10 @@ def step_flops(model, example):
     tensors of the same shapes, so nothing is computed and nothing of the model changes
     (BatchNorm's running statistics, .grad, the RNG). Backward as in training: only towards
     the parameters that require a gradient (frozen layers send none back)."""
-    meta = lambda t: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)  # noqa: E731
+
+    def meta(t):
+        return torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
+
     if isinstance(example, torch.Tensor):
         x = torch.empty(example.shape, dtype=example.dtype, device="meta")
     else:

@@ -338,7 +338,10 @@ def test_docstring_launches_make_a_valid_mesh(no_launcher, monkeypatch):
     """Every torchrun command in the docstring passes the mesh and token checks at its number
     of processes."""
     real_load = context_parallel.load_datasets  # text: the default; images: synthetic ones
-    load = lambda name, *a, **k: real_load(name if name == "text" else "synthetic", *a, **k)  # noqa: E731
+
+    def load(name, *a, **k):
+        return real_load(name if name == "text" else "synthetic", *a, **k)
+
     monkeypatch.setattr(context_parallel, "load_datasets", load)
     worlds = docstring_launches_reach_the_mesh(context_parallel, monkeypatch, extra=[])
     assert worlds == [2, 2, 4, 8]

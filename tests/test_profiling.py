@@ -103,7 +103,10 @@ def test_a_gpu_trace_is_read_on_the_gpus_side(tmp_path):
     """On CUDA the CPU only queues the kernels: the step is where its kernels ran, and the wait
     is NCCL's kernel time with no compute kernel beside it. A trace of that shape, written
     here (no GPU on the machines that run the tests)."""
-    x = lambda name, cat, ts, dur: dict(ph="X", name=name, cat=cat, ts=ts, dur=dur, tid=1)  # noqa: E731
+
+    def x(name, cat, ts, dur):
+        return dict(ph="X", name=name, cat=cat, ts=ts, dur=dur, tid=1)
+
     events = [
         x("ProfilerStep#4", "user_annotation", 0, 100),  # the CPU queues the step
         x("aten::mm", "cpu_op", 0, 10),
@@ -126,7 +129,10 @@ def test_a_collective_called_inside_an_operator_is_waiting_not_compute(tmp_path)
     """On the CPU an operator can call its collective inside itself (DTensor's operators wait
     in wait_tensor, the ring's attention in its sends): that time is waiting, the rest of the
     operator compute. A trace of that shape, written here."""
-    x = lambda name, ts, dur: dict(ph="X", name=name, cat="cpu_op", ts=ts, dur=dur, tid=1)  # noqa: E731
+
+    def x(name, ts, dur):
+        return dict(ph="X", name=name, cat="cpu_op", ts=ts, dur=dur, tid=1)
+
     events = [
         dict(x("ProfilerStep#4", 0, 200), cat="user_annotation"),
         x("aten::mm", 0, 50),
