@@ -473,3 +473,15 @@ def test_memory_benchmark_counts_the_shards_and_measures_each_rank(tmp_path):
     rank0 = sum(len(torch.arange(p.shape[0]).chunk(2)[0]) * p[0].numel() for p in vit.parameters())
     assert sum(rows["fsdp"][k] for k in ("params", "grads", "optimizer")) == 4 * 4 * rank0
     assert all(r["peak_kb"] > 0 and r["build_kb"] >= 0 for r in rows["fsdp"]["ranks"])
+
+
+def test_a_checkpoint_of_other_heads_is_one_line(tmp_path):
+    """--heads does not show in the weights' shapes, so resume checks it apart: a checkpoint
+    of 2 heads resumed with 4 is one line, no traceback (it would train on, silently)."""
+    out = tmp_path / "out"
+    flags = [*SYNTHETIC, "--model", "vit", "--max-steps", "1"]
+    run_python(["fsdp_train.py", *flags, "--heads", "2", "--output-dir", out])
+    proc = run_python(["fsdp_train.py", *flags, "--heads", "4", "--output-dir", out], check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line == f"error: checkpoint {out / 'checkpoint'} holds a --heads 2, not 4", line
