@@ -173,8 +173,8 @@ def find_checkpoint(args, model):
 
     def check():
         meta = read_sharded_meta(path)
-        for flag in ("model", "heads"):  # the heads do not show in the weights' shapes
-            if (saved := meta["args"].get(flag)) != (this := getattr(args, flag)):
+        for flag in ("model", "heads", "depth"):  # not seen in the weights' shapes, or first
+            if (saved := meta["args"].get(flag)) != (this := getattr(args, flag, saved)):
                 fail(f"checkpoint {path} holds a --{flag} {saved}, not {this}")
         check_weights(meta["shapes"], model, path)  # --dim, --heads, --seq-len, ...
         return meta
@@ -217,8 +217,14 @@ class TrainState(Stateful):
         return dict(model=model, optimizer=optimizer)
 
     def load_state_dict(self, state):
+        # The saved moments, with this run's settings (--lr, --weight-decay) group by group:
+        # each group's own (param_groups: no decay on biases, norms, embeddings).
+        groups = self.optimizer.param_groups
+        own = [{k: v for k, v in group.items() if k != "params"} for group in groups]
         pieces = dict(model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         set_state_dict(self.model, self.optimizer, **pieces)
+        for group, settings in zip(self.optimizer.param_groups, own, strict=True):
+            group.update(settings)
 
 
 def resume_step(args, optimizer, meta, path, batches, device):
@@ -232,8 +238,8 @@ def resume_step(args, optimizer, meta, path, batches, device):
     if changed:  # the schedule is a function of these: it cannot go on where it was
         was = ", ".join(f"--{k} {saved[k]}" for k in changed)
         fail(f"{path} was trained with {was}; resume with the same, or start anew")
-    for group in optimizer.param_groups:  # this run's settings (--lr, ...), the saved moments
-        group.update(optimizer.defaults, initial_lr=optimizer.defaults["lr"])
+    for group in optimizer.param_groups:  # the schedule's peak: this run's --lr (TrainState)
+        group["initial_lr"] = group["lr"]
     # The same global batch and seed make the same global batches at any layout (rank r takes
     # every world-th sample): go on after the last step saved.
     steps_per_epoch = batches[1]

@@ -53,7 +53,7 @@ from checkpoint import (
 )
 from common import cleanup, fail, init_distributed_mode, peer_failure, print0, require_torch
 from data import load_datasets, pad_batches, shard_loaders
-from models import GPT, ViT, generate
+from models import GPT, ViT, generate, param_groups
 from profiling import Profiler, flop_rates, step_flops
 from training import end_epoch, evaluate, log_loss, sharded_args, sharded_parser, warmup_cosine
 
@@ -235,8 +235,8 @@ class LongViT(ViT):
     of 7 x 7. With a context-parallel group, each process runs its own rows (`mine`: their
     (start, end) chunks) and an all-gather puts the mean over every row together."""
 
-    def __init__(self, in_channels, num_classes, size, dim, heads, mine=None):
-        super().__init__(in_channels, num_classes, size, dim, heads=heads, patch=(1, size))
+    def __init__(self, in_channels, num_classes, size, dim, heads, depth, mine=None):
+        super().__init__(in_channels, num_classes, size, dim, depth, heads, patch=(1, size))
         self.group, self.mine = None, mine or [(0, size)]
 
     def forward(self, rows):  # this process's rows of each image
@@ -256,8 +256,8 @@ class LongViT(ViT):
 class LongGPT(GPT):
     """models.py's GPT, each process running its own tokens (`mine`) at their positions."""
 
-    def __init__(self, seq_len, dim, heads, mine=None):
-        super().__init__(256, seq_len, dim, heads=heads)
+    def __init__(self, seq_len, dim, heads, depth, mine=None):
+        super().__init__(256, seq_len, dim, depth, heads)
         self.mine = mine or [(0, seq_len)]
 
     def forward(self, tokens):  # this process's tokens -> their next bytes' logits
@@ -313,7 +313,7 @@ def main(argv=None):
         unsplit = functools.partial(LongGPT, tokens)  # the model: every token a process's
         if not text:
             unsplit = functools.partial(LongViT, in_channels, num_classes, tokens)
-        unsplit = functools.partial(unsplit, args.dim, args.heads)
+        unsplit = functools.partial(unsplit, args.dim, args.heads, args.depth)
         build = functools.partial(unsplit, mine=mine)  # this process's tokens only
 
         def shard(model):
@@ -350,7 +350,8 @@ def main(argv=None):
             flops = step_flops(unsplit(), sample.expand(global_batch, *sample.shape))
 
         lr = args.lr * global_batch / 256
-        optimizer = torch.optim.AdamW(model.parameters(), lr, weight_decay=args.weight_decay)
+        groups = param_groups(model, args.weight_decay)  # no decay on biases, norms, tables
+        optimizer = torch.optim.AdamW(groups, lr)
 
         # Resume, as in fsdp_train.py: rank 0 finds and checks the checkpoint; every rank reads
         # the parts of the saved pieces that make up its own, on any mesh (all participate).
@@ -446,7 +447,7 @@ def main(argv=None):
         # without DTensor (all ranks participate); a sample of what the GPT learnt.
         whole = export_whole(model, filter(None, [out and out / "model.pt", args.export]))
         if text and whole:  # rank 0
-            print0("sample:", generate(GPT(256, tokens, args.dim, heads=args.heads), whole))
+            print0("sample:", generate(GPT(256, tokens, args.dim, args.depth, args.heads), whole))
         if info.distributed:
             dist.barrier()  # leave together (all ranks participate): rank 0 hosts the store
     except RuntimeError as e:

@@ -60,7 +60,7 @@ from common import (
     require_torch,
 )
 from data import load_datasets, pad_batches, shard_loaders
-from models import build_model, generate
+from models import build_model, generate, param_groups
 from profiling import Profiler, flop_rates, step_flops
 from training import end_epoch, evaluate, log_loss, sharded_args, sharded_parser, warmup_cosine
 
@@ -105,6 +105,7 @@ class MoE(nn.Module):
         self.w1, self.b1 = init(dim, dim, hidden), init(dim, hidden)
         self.w2, self.b2 = init(hidden, hidden, dim), init(hidden, dim)
         self.experts, self.top_k, self.capacity_factor = experts, top_k, capacity_factor
+        self.decayed = ("w1", "w2")  # the experts' matrices take weight decay (param_groups)
         self.group, self.ep = None, 1  # the EP group, and its size
         self.aux_loss = self.load = self.dropped = None  # set by each forward
 
@@ -294,7 +295,7 @@ def main(argv=None):
         # experts cut, then memory for this process's experts and the whole rest only, filled
         # from rank 0's seeded CPU copy (all ranks participate).
         text, sample = args.model == "gpt", train_set[0][0]  # an image, or a sequence
-        shape = (sample.shape[-1], args.dim, args.heads, args.seq_len)
+        shape = (sample.shape[-1], args.dim, args.heads, args.seq_len, args.depth)
         dense = partial(build_model, args.model, in_channels, num_classes, *shape)
         moe = (args.experts, args.top_k, args.capacity_factor)
         build = lambda: with_experts(dense(), *moe)  # noqa: E731
@@ -315,7 +316,8 @@ def main(argv=None):
 
         # The optimizer, made after the cut: it holds (and steps) this process's experts.
         lr = args.lr * global_batch / 256
-        optimizer = torch.optim.AdamW(model.parameters(), lr, weight_decay=args.weight_decay)
+        groups = param_groups(model, args.weight_decay)  # no decay on biases, norms, tables
+        optimizer = torch.optim.AdamW(groups, lr)
 
         # Resume: rank 0 finds and checks the checkpoint; every rank reads its pieces (any degree).
         state = dict(train=TrainState(model, optimizer))  # what DCP saves and loads

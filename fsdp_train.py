@@ -54,7 +54,7 @@ from checkpoint import (
 )
 from common import cleanup, fail, init_distributed_mode, peer_failure, print0, require_torch
 from data import load_datasets, pad_batches, shard_loaders
-from models import MODELS, build_model, generate
+from models import MODELS, build_model, generate, param_groups
 from profiling import Profiler, flop_rates, step_flops
 from training import end_epoch, evaluate, log_loss, sharded_args, sharded_parser, warmup_cosine
 
@@ -157,7 +157,7 @@ def main(argv=None):
         # memory for this rank's shards only, filled by broadcast from rank 0's whole copy in
         # CPU memory: seeded as one process builds it, or the --init-from file.
         text, sample = args.model == "gpt", train_set[0][0]  # an image, or a sequence
-        shape = (sample.shape[-1], args.dim, args.heads, args.seq_len)  # an image's side, ...
+        shape = (sample.shape[-1], args.dim, args.heads, args.seq_len, args.depth)
         build = functools.partial(build_model, args.model, in_channels, num_classes, *shape)
         with torch.device("meta"):
             model = build()
@@ -186,7 +186,8 @@ def main(argv=None):
 
         # The optimizer, made after fully_shard: it holds (and steps) the local shards only.
         lr = args.lr * global_batch / 256
-        optimizer = torch.optim.AdamW(model.parameters(), lr, weight_decay=args.weight_decay)
+        groups = param_groups(model, args.weight_decay)  # no decay on biases, norms, tables
+        optimizer = torch.optim.AdamW(groups, lr)
 
         # Resume: rank 0 finds the checkpoint and checks its meta.pt; every rank reads the parts
         # of the saved shards that make up its own, whatever the number of processes that

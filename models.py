@@ -2,6 +2,7 @@
 the script in build_model's place). Nothing in it is distributed: each strategy's script
 cuts, shards or wraps these plain modules itself."""
 
+import math
 import random
 from collections import OrderedDict
 
@@ -124,10 +125,24 @@ class GPT(nn.Module):
     def __init__(self, vocab=256, seq_len=256, dim=96, depth=4, heads=4):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        nn.init.normal_(self.embed.weight, std=0.02)  # as the positions (N(0, 1) drowns them)
-        self.pos = nn.Parameter(0.02 * torch.randn(1, seq_len, dim))
+        self.pos = nn.Parameter(torch.empty(1, seq_len, dim))
         self.blocks = nn.ModuleList(Block(dim, heads, causal=True) for _ in range(depth))
         self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
+        # GPT-2's initialisation (as nanoGPT's _init_weights): every weight N(0, 0.02), biases
+        # 0, so the first logits are near 0 and the first loss near a uniform guess, ln 256.
+        # PyTorch's default (uniform, 1/sqrt(fan_in)) starts above it, sure of wrong bytes.
+        nn.init.normal_(self.pos, std=0.02)
+        for module in self.modules():  # LayerNorm keeps its scale 1 and shift 0
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        # Each block adds its attention's and its MLP's output to the residual stream: 2 x depth
+        # sums whose variance grows with the depth unless the last layer of each (proj, fc2)
+        # starts 1/sqrt(2 x depth) smaller (GPT-2, section 2.3).
+        for block in self.blocks:
+            for last in (block.attn.proj, block.mlp.fc2):
+                nn.init.normal_(last.weight, std=0.02 / math.sqrt(2 * depth))
 
     def forward(self, tokens):  # (N, T) bytes -> (N, T, vocab)
         x = self.embed(tokens) + self.pos[:, : tokens.shape[1]]
@@ -153,16 +168,38 @@ def generate(model, state=None, prompt="def ", length=300, temperature=0.8, seed
     return bytes(tokens[0].tolist()).decode("utf-8", errors="replace")
 
 
+MATRICES = (nn.Linear, nn.Conv2d)  # the layers whose weight decays
+
+
+def param_groups(model, weight_decay):
+    """AdamW's two groups, as GPT-2 is trained (nanoGPT's configure_optimizers): weight decay
+    on the matrices that multiply activations (Linear and convolution weights; a module may
+    name more in `decayed`, as expert_parallel.py's experts do), none on biases, norms, the
+    embedding or the positions: decay pulls a weight towards 0, right for a matrix (a smaller
+    norm, a smoother function), wrong for a norm's scale (towards 0, not 1) or a table row."""
+    decayed = set()
+    for module in model.modules():
+        names = getattr(module, "decayed", ("weight",) if isinstance(module, MATRICES) else ())
+        decayed.update(id(getattr(module, name)) for name in names)
+    params = list(model.parameters())
+    return [
+        dict(params=[p for p in params if id(p) in decayed], weight_decay=weight_decay),
+        dict(params=[p for p in params if id(p) not in decayed], weight_decay=0.0),
+    ]
+
+
 MODELS = {"cnn": SmallCNN, "resnet18": resnet18_small, "mlp": MLP, "vit": ViT}
 
 
-def build_model(name, in_channels, num_classes, image_size=28, dim=96, heads=4, seq_len=256):
-    """An image model of MODELS, or "gpt" (on text: num_classes is the vocabulary). dim and
-    heads shape the transformers (vit, gpt), seq_len the GPT's context."""
+def build_model(
+    name, in_channels, num_classes, image_size=28, dim=96, heads=4, seq_len=256, depth=4
+):
+    """An image model of MODELS, or "gpt" (on text: num_classes is the vocabulary). dim, heads
+    and depth (blocks) shape the transformers (vit, gpt), seq_len the GPT's context."""
     if name == "gpt":
-        return GPT(num_classes, seq_len, dim, heads=heads)
+        return GPT(num_classes, seq_len, dim, depth, heads)
     if name == "vit":
-        return ViT(in_channels, num_classes, image_size, dim, heads=heads)
+        return ViT(in_channels, num_classes, image_size, dim, depth, heads)
     if name == "mlp":  # its first layer's shape depends on the image size
         return MLP(in_channels, num_classes, size=image_size)
     return MODELS[name](in_channels, num_classes)

@@ -57,7 +57,7 @@ from checkpoint import (
 )
 from common import cleanup, fail, init_distributed_mode, peer_failure, print0, require_torch
 from data import load_datasets, pad_batches, shard_loaders
-from models import build_model, generate
+from models import build_model, generate, param_groups
 from profiling import Profiler, flop_rates, step_flops
 from training import end_epoch, evaluate, log_loss, sharded_args, sharded_parser, warmup_cosine
 
@@ -147,7 +147,7 @@ def main(argv=None):
         total_steps = args.epochs * steps_per_epoch
 
         text, sample = args.model == "gpt", train_set[0][0]  # an image, or a sequence
-        shape = (sample.shape[-1], args.dim, args.heads, args.seq_len)
+        shape = (sample.shape[-1], args.dim, args.heads, args.seq_len, args.depth)
         build = functools.partial(build_model, args.model, in_channels, num_classes, *shape)
 
         def split(model):
@@ -194,7 +194,8 @@ def main(argv=None):
 
         # The optimizer, made after the split: it holds (and steps) this process's pieces.
         lr = args.lr * global_batch / 256
-        optimizer = torch.optim.AdamW(model.parameters(), lr, weight_decay=args.weight_decay)
+        groups = param_groups(model, args.weight_decay)  # no decay on biases, norms, tables
+        optimizer = torch.optim.AdamW(groups, lr)
 
         # Resume, as in fsdp_train.py: rank 0 finds and checks the checkpoint; every rank reads
         # the parts of the saved pieces that make up its own, at any degree (all participate).

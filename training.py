@@ -29,6 +29,7 @@ def sharded_parser(doc):
     add("--lr", type=float, help=peak)
     add("--dim", type=int, default=96, help="the transformer's width (vit, gpt)")
     add("--heads", type=int, help="the transformer's attention heads (default 4; gpt: 2)")
+    add("--depth", type=int, default=4, help="the transformer's blocks (vit, gpt)")
     add("--weight-decay", type=float, default=0.05, help="AdamW's decoupled weight decay")
     add("--warmup", type=float, default=0.1, help="fraction of all steps spent warming up")
     add("--seed", type=int, default=0, help="seed for the weights and the shuffling")
@@ -58,7 +59,8 @@ def sharded_args(args, at_least_1=(), not_negative=(), positive=(), batch=(128, 
     for name, (image, sequence) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, sequence if text else image)
-    at_least_1 = ("epochs", "batch_size", "log_every", "seq_len", "dim", "heads", *at_least_1)
+    shape = ("seq_len", "dim", "heads", "depth")
+    at_least_1 = ("epochs", "batch_size", "log_every", *shape, *at_least_1)
     not_negative = ("max_steps", "clip_grad", *not_negative)
     positive = ("lr", "dist_timeout", "peak_tflops", *positive)
     check_flags(args, at_least_1, not_negative, positive)

@@ -54,7 +54,7 @@ def measure(name, global_batch, steps, world):
     group = dist.group.WORLD if cp else None
     chunks = layout(28, world, "contiguous")  # each process its rows
     mine = chunks[dist.get_rank()] if cp else None
-    model = LongViT(1, 10, 28, 96, 4, mine)
+    model = LongViT(1, 10, 28, 96, 4, 4, mine)
     if cp:
         split_attention(model, group, name.split()[-1], chunks, causal=False)
     if world > 1:

@@ -124,7 +124,7 @@ def build(name, wrapper, args):
 
         chunks = cp.layout(28, dist.get_world_size(), "contiguous")
         group, mine = dist.group.WORLD, chunks[dist.get_rank()]
-        model = cp.LongViT(1, 10, 28, args.vit_dim, 4, mine)
+        model = cp.LongViT(1, 10, 28, args.vit_dim, 4, 4, mine)
         cp.split_attention(model, group, "ring", chunks, causal=False)
         return model
     if wrapper == "ep":

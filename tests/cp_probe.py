@@ -63,8 +63,8 @@ real_adamw = torch.optim.AdamW
 
 
 def adamw(params, *args, **kwargs):
-    params = list(params)
     optimizer = real_adamw(params, *args, **kwargs)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
 
     def before_step(optimizer, *_):
         seen["grads"].append({names[id(p)]: whole(p.grad).clone() for p in params})

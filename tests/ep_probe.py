@@ -75,8 +75,8 @@ real_adamw = torch.optim.AdamW
 
 
 def adamw(params, *args, **kwargs):
-    params = list(params)
     optimizer = real_adamw(params, *args, **kwargs)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     names = {id(p): n for n, p in models[-1].named_parameters()}
 
     def before_step(optimizer, *_):

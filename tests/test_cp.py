@@ -161,7 +161,7 @@ for impl in ("one", "ring", "allgather"):
     torch.manual_seed(0)
     split = impl != "one"
     mine = chunks[dist.get_rank()] if split else None
-    model = cp.LongViT(1, 10, 28, 96, 4, mine)
+    model = cp.LongViT(1, 10, 28, 96, 4, 4, mine)
     if split:
         cp.split_attention(model, group, impl, chunks, causal=False)
     rows = cp.own(images, chunks[dist.get_rank()], 2) if split else images

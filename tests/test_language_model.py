@@ -25,7 +25,7 @@ import models
 SEQ, GLOBAL_BATCH, STEPS = 32, 12, 4
 TRAIN = 24  # the resume test's training set: 2 steps an epoch, STEPS steps cross into epoch 1
 # AdamW steps that move the weights far beyond the tolerances, with clipping at work.
-FAST = ["--warmup", "0", "--lr", "0.2", "--clip-grad", "0.05", *DIST_TIMEOUT]
+FAST = ["--warmup", "0", "--lr", "0.05", "--clip-grad", "0.05", *DIST_TIMEOUT]
 
 
 def lm_probe(script, nproc, reports, corpus, *flags, batch=GLOBAL_BATCH, train=()):
