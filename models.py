@@ -144,11 +144,28 @@ class GPT(nn.Module):
             for last in (block.attn.proj, block.mlp.fc2):
                 nn.init.normal_(last.weight, std=0.02 / math.sqrt(2 * depth))
 
-    def forward(self, tokens):  # (N, T) bytes -> (N, T, vocab)
-        x = self.embed(tokens) + self.pos[:, : tokens.shape[1]]
-        for block in self.blocks:
+    def forward(self, x):  # (N, T) bytes -> (N, T, vocab); a pipeline stage: see keep_stage
+        if self.embed is not None:  # the first stage (or the whole model)
+            x = self.embed(x) + self.pos[:, : x.shape[1]]
+        for block in filter(None, self.blocks):  # the blocks this stage holds
             x = block(x)
-        return self.head(self.norm(x))
+        return x if self.head is None else self.head(self.norm(x))
+
+
+def keep_stage(gpt, start, end):
+    """Cut a GPT in place to one pipeline stage: blocks [start, end), the embedding and
+    positions if it is the first stage (start 0), the final norm and the head if the last.
+    What it does not hold becomes None, so what it holds keeps the whole model's names
+    (blocks.5.mlp.fc1.weight at any cut: a checkpoint loads into any other number of stages),
+    as torchtitan's pipeline_llama deletes the layers a stage does not own."""
+    depth = len(gpt.blocks)
+    for i in [*range(start), *range(end, depth)]:
+        gpt.blocks[i] = None
+    if start > 0:
+        gpt.embed = gpt.pos = None
+    if end < depth:
+        gpt.norm = gpt.head = None
+    return gpt
 
 
 @torch.no_grad()
