@@ -475,7 +475,7 @@ def test_memory_benchmark_counts_the_shards_and_measures_each_rank(tmp_path):
     assert all(r["peak_kb"] > 0 and r["build_kb"] >= 0 for r in rows["fsdp"]["ranks"])
 
 
-def test_a_checkpoint_of_other_heads_is_one_line(tmp_path):
+def test_a_checkpoint_of_other_heads_or_depth_is_one_line(tmp_path):
     """--heads does not show in the weights' shapes, so resume checks it apart: a checkpoint
     of 2 heads resumed with 4 is one line, no traceback (it would train on, silently)."""
     out = tmp_path / "out"
@@ -485,3 +485,9 @@ def test_a_checkpoint_of_other_heads_is_one_line(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert line == f"error: checkpoint {out / 'checkpoint'} holds a --heads 2, not 4", line
+    # --depth too: its own line, before the names and shapes are compared
+    proc = run_python(
+        ["fsdp_train.py", *flags, "--heads", "2", "--depth", "3", "--output-dir", out], check=False
+    )
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line == f"error: checkpoint {out / 'checkpoint'} holds a --depth 4, not 3", line

@@ -255,3 +255,50 @@ def test_the_gpt_is_causal_and_samples_text():
     assert not torch.allclose(la[0, 10:], lb[0, 10:])
     text = models.generate(gpt, prompt="ab", length=40)
     assert text.startswith("ab") and text == models.generate(gpt, prompt="ab", length=40)
+
+
+def test_the_gpt_starts_as_gpt_2_does_near_a_uniform_guess(small_text):
+    """GPT-2's initialisation: weights N(0, 0.02), biases 0, each block's two residual
+    projections (attention's proj, the MLP's fc2) 1/sqrt(2 x depth) of that; so the first
+    loss on real text is within 0.1 of a uniform guess, ln 256 (PyTorch's default Linear
+    init started at 5.80)."""
+    models.seed_everything(0)
+    gpt = models.GPT(256, SEQ, 96, depth=8, heads=4)
+    for name, p in gpt.named_parameters():
+        std = 0.02 / 4 if name.endswith(("proj.weight", "fc2.weight")) else 0.02
+        if name.endswith("bias"):
+            assert not p.any(), name
+        elif "norm" not in name:
+            assert p.std().item() == pytest.approx(std, rel=0.1), name
+    train, _, _, _ = data.load_datasets("text", str(small_text), seq_len=SEQ)
+    x, y = train.__getitems__(list(range(16)))
+    loss = F.cross_entropy(gpt(x).flatten(0, 1), y.flatten()).item()
+    assert abs(loss - torch.log(torch.tensor(256.0)).item()) < 0.1, loss
+
+
+def test_weight_decay_falls_on_the_matrices_only():
+    """models.param_groups, AdamW's groups in every script that trains the GPT: decay on
+    every Linear's weight and the experts' w1 and w2, none on biases, norms, the embedding,
+    the positions or the experts' biases."""
+    import expert_parallel
+
+    gpt = expert_parallel.with_experts(models.GPT(256, SEQ, 32, depth=2, heads=2), 4, 2, 1.0)
+    names = {id(p): n for n, p in gpt.named_parameters()}
+    decay, rest = models.param_groups(gpt, 0.1)
+    assert (decay["weight_decay"], rest["weight_decay"]) == (0.1, 0.0)
+    decayed = sorted(names[id(p)] for p in decay["params"])
+    matrices = [n for n, p in gpt.named_parameters() if n.endswith(("q.weight", "k.weight"))]
+    matrices += [n for n in names.values() if n.endswith(("v.weight", "proj.weight"))]
+    matrices += [n for n in names.values() if n.endswith(("router.weight", "w1", "w2"))]
+    assert decayed == sorted([*matrices, "head.weight"])
+    assert len(decay["params"]) + len(rest["params"]) == len(names)
+
+
+def test_the_scripts_decay_no_embedding_row(dense):
+    """End to end: the rows of the embedding for bytes the corpus never holds (>= 128: it is
+    ASCII) get no gradient; decayed, AdamW would shrink them each step, undecayed they are
+    the initial weights exactly after the run's steps."""
+    _, out, _ = dense
+    start, end = initial()["embed.weight"], whole(out)["embed.weight"]
+    assert torch.equal(end[128:], start[128:])
+    assert not torch.equal(end[:128], start[:128])
