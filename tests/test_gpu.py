@@ -100,7 +100,7 @@ CNN = [
 # measured NHWC against NCHW at 0.025 and model_parallel.py's CNN over cuda:0 and the CPU at
 # 0.066 (2026-11-26): TF32 rounds to 10 bits of mantissa, differently in each kernel. The runs
 # now have TF32 off (ENV), which should leave far less. CONV_TOL stays at 0.02 until a GPU run
-# measures the TF32-off values: set it from benchmarks/gpu/check.py's phase b ("TF32 off" and
+# measures the TF32-off values: set it from benchmarks/gpu/check.py's phase d ("TF32 off" and
 # "noise" columns, summary.md), with room above them, and say the device and date here.
 AMP_TOL, CONV_TOL = 0.05, 0.02
 # Keys of ddp_train.py's checkpoint (README, output contract).
