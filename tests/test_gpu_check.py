@@ -3,6 +3,7 @@ command is stopped at its bound with everything it started, its Python stacks ke
 phase is reported and the next one runs; the dry mode runs every phase and writes what the
 device tool brings back (at most 8 files, 16 MiB each, no deeper than 2 folders)."""
 
+import functools
 import gzip
 import importlib.util
 import json
@@ -81,6 +82,23 @@ def test_a_bounded_command_inside_a_bounded_command_keeps_its_stacks(tmp_path):
     run = check.run_bounded(cmd, timeout=3, env=env, grace=2, native=False)
     assert run.status == "timed out" and "in child_waits" in run.stacks, run.tail()
     assert "sitecustomize" not in run.stderr, run.stderr
+
+
+def test_a_command_is_cut_once_what_it_measures_is_written(tmp_path):
+    """Phase c stops a GPT run once its last epoch's metrics line is written: what the run does
+    after it (checkpoint, model.pt, the sample) is not waited for; its output is kept, it is
+    not a stall (no stacks), and it counts as done."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    writes = "import pathlib, sys, time\nf = pathlib.Path(sys.argv[1]) / 'metrics.jsonl'\n"
+    writes += "for i in range(2):\n    print('epoch', i, flush=True)\n"
+    writes += "    f.open('a').write('{}\\n')\n"
+    writes += "while True:\n    time.sleep(1)\n"
+    until = functools.partial(check.epochs_written, folder)
+    t0 = time.monotonic()
+    run = check.run_bounded([sys.executable, "-c", writes, folder], 60, until=until)
+    assert time.monotonic() - t0 < 20 and run.status == 0 and run.extra["cut"], run.tail()
+    assert run.stdout == "epoch 0\nepoch 1\n" and run.stacks == ""
 
 
 def test_a_command_that_ends_in_time_keeps_its_output_and_status():
@@ -305,9 +323,11 @@ def test_the_probes_deterministic_mode_runs_the_script_as_itself(tmp_path):
     ]
     assert "cuda:0,cuda:0" in jobs["mp_gpus@off"][0]
     assert check.QUANTITIES["compiled CNN vs eager"][1:3] == ("cnn_compile", "cnn_nhwc")
-    (tmp_path / "sibling.py").write_text("VALUE = 7\n")
+    folder = tmp_path / "scripts"  # not the wrapper's folder (the first on sys.path)
+    folder.mkdir()
+    (folder / "sibling.py").write_text("VALUE = 7\n")
     script = "import sibling, torch\nprint(__name__, sibling.VALUE,"
     script += " torch.are_deterministic_algorithms_enabled())\n"
-    (tmp_path / "script.py").write_text(script)
-    proc = run_python([tmp_path / "deterministic.py", tmp_path / "script.py"])
+    (folder / "script.py").write_text(script)
+    proc = run_python([tmp_path / "deterministic.py", folder / "script.py"])
     assert proc.stdout.split() == ["__main__", "7", "True"]

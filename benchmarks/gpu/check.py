@@ -28,6 +28,7 @@ run's metrics.jsonl), trace.json.gz and memory.pickle.gz (phase c's profile).
 import argparse
 import concurrent.futures
 import contextlib
+import functools
 import gzip
 import importlib.util
 import json
@@ -205,13 +206,14 @@ def signal_all(pids, sig, groups=True):
 
 def stop_tree(proc, grace=GRACE, dump_wait=1.0, native=False):
     """Stop proc and everything it started: their Python stacks first (SIGUSR1, see
-    with_stack_dumps), with `native` their native stacks next (returned), then SIGTERM to
-    every process and process group of the tree, SIGKILL to what is left after `grace` s.
-    The tree, not only proc's group: torchrun starts each worker in a session of its own.
-    Collected before the first signal: an orphan is found no more."""
+    with_stack_dumps; none with dump_wait None), with `native` their native stacks next
+    (returned), then SIGTERM to every process and process group of the tree, SIGKILL to what
+    is left after `grace` s. The tree, not only proc's group: torchrun starts each worker in a
+    session of its own. Collected before the first signal: an orphan is found no more."""
     seen = set(process_tree(proc.pid))
-    signal_all(seen, signal.SIGUSR1, groups=False)
-    time.sleep(dump_wait)
+    if dump_wait is not None:
+        signal_all(seen, signal.SIGUSR1, groups=False)
+        time.sleep(dump_wait)
     seen |= set(process_tree(proc.pid))
     stacks = native_stacks(sorted(p for p in seen if alive(p))) if native else ""
     if stacks:  # a debugger stopped in its attach leaves its process stopped
@@ -265,10 +267,14 @@ class Run:
 LIVE = set()  # the commands running now (stop_live ends them)
 
 
-def run_bounded(cmd, timeout, env=None, cwd=ROOT, start=start_fresh, grace=GRACE, native=True):
+def run_bounded(
+    cmd, timeout, env=None, cwd=ROOT, start=start_fresh, grace=GRACE, native=True, until=None
+):
     """Run cmd to its end or for `timeout` s, whichever comes first, in a session of its own
     (start(cmd, cwd, env) must give it one); on timeout stop_tree, with the stacks (and with
-    `native`, each process's native stacks first)."""
+    `native`, each process's native stacks after the Python ones). With `until`, a function
+    asked every half second: once it says True, what is left of the command is not waited
+    for (stopped without stacks; status 0, extra["cut"] True)."""
     cmd = list(map(str, cmd))
     folder = tempfile.mkdtemp(prefix="stacks-")
     proc, native_text = None, ""
@@ -277,8 +283,8 @@ def run_bounded(cmd, timeout, env=None, cwd=ROOT, start=start_fresh, grace=GRACE
         t0 = time.monotonic()  # the command's own time (not a fork server's start)
         LIVE.add(proc)
         try:
-            out, err = proc.communicate(timeout=timeout)
-            status = proc.returncode
+            out, err, cut = wait(proc, timeout, until)
+            status = 0 if cut else proc.returncode
         except BaseException as e:
             timeout_hit = isinstance(e, subprocess.TimeoutExpired)
             native_text = stop_tree(proc, grace, native=native and timeout_hit)
@@ -290,10 +296,29 @@ def run_bounded(cmd, timeout, env=None, cwd=ROOT, start=start_fresh, grace=GRACE
             except subprocess.TimeoutExpired:  # a process out of reach still holds a pipe
                 out, err = "", "(output not read: a process still holds the pipes)"
         stacks = "\n".join(filter(None, [read_stacks(folder), native_text]))
-        return Run(cmd, status, time.monotonic() - t0, out, err, stacks, timeout)
+        run = Run(cmd, status, time.monotonic() - t0, out, err, stacks, timeout)
+        run.extra["cut"] = status == 0 and proc.returncode != 0
+        return run
     finally:
         LIVE.discard(proc)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def wait(proc, timeout, until=None):
+    """(stdout, stderr, cut): proc's output once it ends or, where until() says True first,
+    once it is stopped (cut True); TimeoutExpired after `timeout` s."""
+    if until is None:
+        return (*proc.communicate(timeout=timeout), False)
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            return (*proc.communicate(timeout=min(0.5, max(0.01, end - time.monotonic()))), False)
+        except subprocess.TimeoutExpired:
+            if until():
+                stop_tree(proc, grace=5, dump_wait=None)
+                return (*proc.communicate(timeout=30), True)
+            if time.monotonic() >= end:
+                raise
 
 
 def stop_live(signum, frame):
@@ -381,7 +406,7 @@ class Check:
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "2"))
         return env | (extra or {})
 
-    def run(self, name, cmd, bound, env=None, start=None):
+    def run(self, name, cmd, bound, env=None, start=None, until=None):
         """One command, bounded by `bound` and by what is left of the phase; logged."""
         left = self.phase_end - time.monotonic()
         if left < 1:
@@ -389,11 +414,12 @@ class Check:
         else:
             if self.phase in self.args.stall:
                 cmd = [PY, "-c", STALL]
-            run = run_bounded(cmd, min(bound, left), env or self.env(), start=start or self.start)
+            start = start or self.start
+            run = run_bounded(cmd, min(bound, left), env or self.env(), start=start, until=until)
             run.extra["name"] = name
         with self.lock:
             self.runs.append(run)
-            status = "ok" if run.ok else run.status
+            status = ("ok, cut" if run.extra.get("cut") else "ok") if run.ok else run.status
             self.say(f"{self.phase}/{name}: {status} in {run.seconds:.1f} s")
             head = (
                 f"== {self.phase}/{name}: {status}, {run.seconds:.1f} s (bound {run.timeout:.0f} s)"
@@ -815,6 +841,14 @@ def run_all():
     return module
 
 
+def epochs_written(folder, trace=None):
+    """Whether FOLDER/metrics.jsonl holds two whole lines (2 epochs) and `trace`, if any, is
+    written."""
+    file = Path(folder) / "metrics.jsonl"
+    done = file.exists() and file.read_text().count("\n") >= 2
+    return done and (trace is None or trace.exists())
+
+
 def read_metrics(folder):
     file = Path(folder) / "metrics.jsonl"
     lines = file.read_text().splitlines() if file.exists() else []
@@ -961,7 +995,12 @@ def phase_gpt(c):
             if name == PROFILED:  # steps 4-6, in the first epoch (on the GPU: of 30 steps)
                 cmd += ["--profile", c.work / "profile"]
             bound = 150 if "--compile" in extra or not c.cuda else 60  # (the CPU: a shared one)
-            run = c.run(name, cmd, bound, c.env())
+            # Measured once the last epoch's line is written (and the profile, if any): the
+            # checkpoint, model.pt and the sample generated on the CPU after it are not waited for.
+            trace = c.work / "profile" / "rank0.json" if name == PROFILED else None
+            run = c.run(
+                name, cmd, bound, c.env(), until=functools.partial(epochs_written, folder, trace)
+            )
             runs.append(run)
             if run.ok or "out of memory" not in run.stderr.lower() or b < 2:
                 break
