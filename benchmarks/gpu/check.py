@@ -59,6 +59,7 @@ PHASES = {
     "f": ("test_gpu.py", 300),
 }
 GRACE = 10  # seconds between SIGTERM and SIGKILL when a command is stopped
+NATIVE_BOUND = 20  # seconds for a stalled command's native stacks (all its processes at once)
 TF32_OFF = {"NVIDIA_TF32_OVERRIDE": "0"}  # read by cuBLAS and cuDNN when they load
 # test_gpu.py's environment for every run: cuBLAS repeats its bits only with a fixed workspace.
 TEST_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", **TF32_OFF}
@@ -132,7 +133,7 @@ def native_tool():
     return None
 
 
-def native_stacks(pids, timeout=20):
+def native_stacks(pids, timeout=NATIVE_BOUND):
     """Each process's native stacks (native_tool), all at once, each bounded; "" without a
     tool. Where a thread is stuck in C (NCCL, a CUDA call, a lock), the frames say which."""
     tool = native_tool()
