@@ -76,8 +76,10 @@ class Profiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-            # Every allocation from now on, with its Python stack, for the memory snapshot.
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            # Every allocation from now on, with its Python stack, for the memory snapshot. Python
+            # frames only: C++ frames are symbolized when the snapshot is dumped, minutes for a
+            # model's steps (torchtitan measured 461 s against 4 s).
+            torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
         schedule = torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1)
         self.prof = torch.profiler.profile(
             activities=activities, schedule=schedule, on_trace_ready=self._write

@@ -62,6 +62,8 @@ def main():
         from ddp_train import random_crop_flip as augment  # the very same operation, not a copy
     info = init_distributed_mode(device=args.device)
     cuda = info.device.type == "cuda"
+    # As ddp_train.py: cuDNN times its algorithms for each shape once and keeps the fastest.
+    torch.backends.cudnn.benchmark = cuda
     try:
         torch.manual_seed(0)
         train_set, _, num_classes, in_channels = load_datasets(args.data, args.data_dir)
@@ -130,6 +132,7 @@ def main():
                 device=info.device.type, model=args.model, batch_size=args.batch_size, amp=args.amp
             )
             result.update(compile=args.compile, augment=args.augment)
+            result["cudnn_benchmark"] = torch.backends.cudnn.benchmark
             result["ms_per_step"] = 1000 * statistics.median(times)
             result["ms_per_step_wall"] = 1000 * window / args.steps
             result["samples_per_second"] = args.steps * args.batch_size * info.world_size / window

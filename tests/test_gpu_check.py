@@ -3,15 +3,19 @@ command is stopped at its bound with everything it started, its Python stacks ke
 phase is reported and the next one runs; the dry mode runs every phase and writes what the
 device tool brings back (at most 8 files, 16 MiB each, no deeper than 2 folders)."""
 
+import functools
 import gzip
 import importlib.util
 import json
+import pickle
 import re
 import sys
+import tarfile
 import time
+from types import SimpleNamespace
 
 import pytest
-from conftest import ROOT, clean_env
+from conftest import ROOT, clean_env, run_python
 
 spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks/gpu/check.py")
 check = importlib.util.module_from_spec(spec)
@@ -40,7 +44,8 @@ child_waits()
 
 def test_a_stalled_command_is_stopped_with_its_tree_and_its_stacks():
     t0 = time.monotonic()
-    run = check.run_bounded([sys.executable, "-c", PARENT, CHILD], timeout=3, grace=2)
+    cmd = [sys.executable, "-c", PARENT, CHILD]
+    run = check.run_bounded(cmd, timeout=3, grace=2, native=False)
     assert run.status == "timed out"
     # 3 s, then 1 s for the stacks, 2 s for SIGTERM, then SIGKILL
     assert 5.5 < time.monotonic() - t0 < 12
@@ -51,6 +56,49 @@ def test_a_stalled_command_is_stopped_with_its_tree_and_its_stacks():
             break
         time.sleep(0.1)
     assert not check.alive(child), "the child, in a session of its own, outlived the stop"
+
+
+@pytest.mark.skipif(not check.native_tool(), reason="neither py-spy nor gdb is installed")
+def test_a_stalled_command_leaves_its_native_stacks_after_its_python_ones():
+    """Where a debugger is installed, each stalled process's native stacks (py-spy or gdb) are
+    kept beside its Python stacks, taken first (a debugger's attach stops the process)."""
+    run = check.run_bounded([sys.executable, "-c", PARENT, CHILD], timeout=3, grace=2)
+    child = int(run.stdout.split()[0])
+    python, *native = re.split(r"^native stacks of pid (\d+) \(\S+\):$", run.stacks, flags=re.M)
+    assert "in parent_waits" in python and "in child_waits" in python, run.stacks
+    blocks = dict(zip(map(int, native[::2]), native[1::2], strict=True))
+    assert len(blocks) == 2 and child in blocks, run.stacks
+    for block in blocks.values():  # both in time.sleep's C code
+        assert re.search(r"clock_nanosleep|select|pysleep", block), block
+    assert not check.alive(child)
+
+
+def test_a_bounded_command_inside_a_bounded_command_keeps_its_stacks(tmp_path):
+    """tests/test_gpu.py's runs under check.py's phase f have two of the check's sitecustomize
+    on PYTHONPATH: the inner one arms the stacks and runs the hidden one, which runs no other
+    (they found each other without end: a RecursionError at every start)."""
+    env = check.with_stack_dumps(clean_env(), tmp_path / "outer")
+    cmd = [sys.executable, "-c", CHILD]
+    run = check.run_bounded(cmd, timeout=3, env=env, grace=2, native=False)
+    assert run.status == "timed out" and "in child_waits" in run.stacks, run.tail()
+    assert "sitecustomize" not in run.stderr, run.stderr
+
+
+def test_a_command_is_cut_once_what_it_measures_is_written(tmp_path):
+    """Phase c stops a GPT run once its last epoch's metrics line is written: what the run does
+    after it (checkpoint, model.pt, the sample) is not waited for; its output is kept, it is
+    not a stall (no stacks), and it counts as done."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    writes = "import pathlib, sys, time\nf = pathlib.Path(sys.argv[1]) / 'metrics.jsonl'\n"
+    writes += "for i in range(2):\n    print('epoch', i, flush=True)\n"
+    writes += "    f.open('a').write('{}\\n')\n"
+    writes += "while True:\n    time.sleep(1)\n"
+    until = functools.partial(check.epochs_written, folder)
+    t0 = time.monotonic()
+    run = check.run_bounded([sys.executable, "-c", writes, folder], 60, until=until)
+    assert time.monotonic() - t0 < 20 and run.status == 0 and run.extra["cut"], run.tail()
+    assert run.stdout == "epoch 0\nepoch 1\n" and run.stacks == ""
 
 
 def test_a_command_that_ends_in_time_keeps_its_output_and_status():
@@ -82,7 +130,7 @@ def run_check(flags, timeout):
 
 def summary_rows(stdout):
     """{phase letter: (status, key figures)} from the table the check prints last."""
-    rows = re.findall(r"^\| ([a-e]) [^|]+\| ([^|]+) \| (\d+) \| ([^|]*) \|$", stdout, re.M)
+    rows = re.findall(r"^\| ([a-f]) [^|]+\| ([^|]+) \| (\d+) \| ([^|]*) \|$", stdout, re.M)
     return {phase: (status, key) for phase, status, _, key in rows}
 
 
@@ -99,55 +147,74 @@ def assert_files_come_back(out):
 
 
 def test_a_stalled_phase_is_stopped_reported_and_the_check_goes_on(tmp_path):
-    """Phases a and c stalled on purpose with a bound of 3 s each: both stopped at it, both
+    """Phases a and e stalled on purpose with a bound of 3 s each: both stopped at it, both
     reported as timed out with their stacks, and the check ends in seconds."""
-    flags = ["--cpu", "--no-fork-server", "--out", tmp_path, "--phases", "ac", "--stall", "ac"]
-    flags += ["--phase-timeout", "a=3", "--phase-timeout", "c=3"]
-    proc = run_check(flags, timeout=40)  # each phase 3 s, 1 s for the stacks, the SIGTERM
+    flags = ["--cpu", "--no-fork-server", "--out", tmp_path, "--phases", "ae", "--stall", "ae"]
+    flags += ["--phase-timeout", "a=3", "--phase-timeout", "e=3"]
+    # each phase 3 s, 1 s for the Python stacks, the native ones (a debugger's attach), SIGTERM
+    proc = run_check(flags, timeout=60)
     rows = summary_rows(proc.stdout)
-    assert rows.keys() == {"a", "c"} and all(s == "timed out" for s, _ in rows.values()), rows
-    assert "0/2 finished; stalled: vit-bf16-clip, cnn-none" in rows["c"][1]
+    assert rows.keys() == {"a", "e"} and all(s == "timed out" for s, _ in rows.values()), rows
+    assert "0/2 finished; stalled: vit-bf16-clip, cnn-none" in rows["e"][1]
     blocks = (tmp_path / "stacks.txt").read_text().split("\n== ")
-    for name in ("a/on", "a/off", "c/vit-bf16-clip", "c/cnn-none"):
+    for name in ("a/on", "a/off", "e/vit-bf16-clip", "e/cnn-none"):
         [block] = [b for b in blocks if b.removeprefix("== ").startswith(f"{name}: timed out")]
         assert "in stalled_on_purpose" in block, block
     phases = json.loads((tmp_path / "check.json").read_text())["phases"]
-    assert phases["c"]["status"] == "timed out" and phases["c"]["bound"] == 3
+    assert phases["e"]["status"] == "timed out" and phases["e"]["bound"] == 3
     assert_files_come_back(tmp_path)
 
 
 @pytest.mark.slow
 def test_the_dry_mode_runs_every_phase_on_the_cpu(tmp_path):
-    """check.py --cpu: every phase, small, on the CPU (what needs CUDA skipped and said so),
-    the probes' relative errors at CPU rounding, the summary, and files that come back."""
+    """check.py --cpu: every phase, small, on the CPU (what needs CUDA skipped and said so): the
+    fork server probed, ddp_train.py against the bare loop with time to 94%, the GPT's run read
+    from its metrics.jsonl with its trace gzipped, the probes' relative errors at CPU rounding,
+    the summary, every run's metrics.jsonl in one archive, and files that come back."""
     flags = ["--cpu", "--out", tmp_path, "--modes", "off,repeat,det"]
     flags += ["--tests", "test_dataparallel_replicas_compute_in_the_asked_dtype"]
     proc = run_check(flags, timeout=600)
     rows = summary_rows(proc.stdout)
-    assert rows.keys() == set("abcde") and all(s == "ok" for s, _ in rows.values()), rows
-    assert "dry mode: on the CPU" in rows["a"][1]
-    assert "2/2 finished" in rows["c"][1] and "targeted: 1 passed" in rows["e"][1]
-    assert re.search(r"ddp_train.py [\d.]+ ms, bare loop [\d.]+ ms: [\d.]+x", rows["d"][1])
+    assert rows.keys() == set("abcdef") and all(s == "ok" for s, _ in rows.values()), rows
+    assert "dry mode: on the CPU" in rows["a"][1] and "fork server: works (cpu)" in rows["a"][1]
+    assert re.search(r"94% (in [\d.]+ s \(epoch \d+\)|not reached), final", rows["b"][1])
+    assert re.search(r"ddp_train.py [\d.]+ ms, bare loop [\d.]+ ms: [\d.]+x", rows["b"][1])
+    assert re.search(r"fsdp_train.py: [\d.e+]+ tok/s", rows["c"][1]), rows["c"][1]
+    assert "profile: trace.json.gz" in rows["c"][1]
+    assert "2/2 finished" in rows["e"][1] and "targeted: 1 passed" in rows["f"][1]
     results = json.loads((tmp_path / "check.json").read_text())["phases"]
-    probes = results["b"]["figures"]
+    resnet = results["b"]["figures"]
+    assert resnet["flops_per_second"] > 0 and resnet["bare_cudnn_benchmark"] is False, resnet
+    gpt = results["c"]["figures"]["fsdp_train.py"]
+    assert gpt["epochs"] == 2 and gpt["steps"] == 6, gpt  # 3 steps an epoch, as the file made
+    assert gpt["tokens_per_second"] == pytest.approx(32 * gpt["samples_per_second"])
+    probes = results["d"]["figures"]
     assert probes.keys() == {"channels_last vs NCHW", "model_parallel split vs one device"}
     for quantity in probes.values():  # the CPU: fp32 rounding only, and no noise
         assert all(quantity[m] < 1e-4 for m in ("off", "repeat", "det")), quantity
         assert quantity["noise"] == 0, quantity
     summary = (tmp_path / "summary.md").read_text()
     assert "| GPU vs CPU (MLP) | test_gpu_equals_cpu | skipped: needs CUDA |" in summary
+    assert "| compiled CNN vs eager | test_compile | skipped: needs CUDA |" in summary
     assert "1 passed" in (tmp_path / "pytest.log").read_text()
     assert (tmp_path / "stacks.txt").read_text() == ""  # nothing was stopped
+    with gzip.open(tmp_path / "trace.json.gz") as f:
+        assert json.load(f)["traceEvents"]
+    with tarfile.open(tmp_path / "metrics.tar.gz") as tar:
+        names = tar.getnames()
+        record = json.loads(tar.extractfile("gpt-fsdp_train/metrics.jsonl").readline())
+    assert {"resnet-ddp/metrics.jsonl", "gpt-fsdp_train/metrics.jsonl"} <= set(names), names
+    assert record["step"] == 3 and "flops_per_second" in record
     assert_files_come_back(tmp_path)
 
 
 def test_a_check_stopped_from_outside_stops_what_it_runs(tmp_path):
     """SIGTERM to the check (the device tool's own timeout, say) stops the commands it runs,
     which are in sessions of their own, out of the tool's reach; their stacks are kept."""
-    flags = ["--cpu", "--no-fork-server", "--out", tmp_path, "--phases", "c", "--stall", "c"]
+    flags = ["--cpu", "--no-fork-server", "--out", tmp_path, "--phases", "e", "--stall", "e"]
     proc = check.start_fresh([sys.executable, "benchmarks/gpu/check.py", *flags], ROOT, clean_env())
     try:
-        while "phase c" not in proc.stdout.readline():
+        while "phase e" not in proc.stdout.readline():
             pass
         time.sleep(2)  # the stalled commands start
         proc.terminate()
@@ -159,3 +226,108 @@ def test_a_check_stopped_from_outside_stops_what_it_runs(tmp_path):
     pids = [int(p) for p in re.findall(r"^pid (\d+): ", stacks, re.M)]
     assert len(pids) == 2 and stacks.count("in stalled_on_purpose") == 2, stacks
     assert not any(check.alive(p) for p in pids), "a stalled command outlived the check"
+
+
+# ----------------------------------------------------------------------------------------
+# What the GPU run builds, read here without it
+
+
+def fake_check(tmp_path, cuda=True, phases="abcdef"):
+    """What the phases' builders read of a Check: its device, phases, work and out folders."""
+    c = SimpleNamespace(cuda=cuda, device="cuda" if cuda else "cpu", fork_ok=None)
+    c.args = SimpleNamespace(phases=phases)
+    c.work = c.out = tmp_path
+    c.env = lambda extra=None: {"PATH": "/usr/bin", **(extra or {})}
+    c.output_dir = lambda name: tmp_path / name
+    return c
+
+
+def test_the_gpt_runs_are_built_with_every_flag_and_skipped_where_one_is_missing(tmp_path):
+    """Each sharded script runs the GPT at GPT-2-small size with --depth; a script whose --help
+    lacks one of the command's flags (or the text and gpt choices) is skipped, saying which."""
+    plan = check.lm_plan(fake_check(tmp_path))
+    assert [name for name, _, _ in plan[:2]] == ["fsdp_train.py", "fsdp_train.py --compile"]
+    assert {script for _, script, _ in plan} == set(check.LM_SCRIPTS)
+    assert check.LM_SIZE == ["--depth", "12", "--dim", "768", "--heads", "12", "--seq-len", "1024"]
+    cmd = [*check.LM, *check.LM_SIZE, "--max-steps", "60"]
+    shown = "usage: [--data {fashion-mnist,text}] [--model {vit,gpt}] [--amp {none,bf16}]"
+    shown += " [--lr LR] [--dim DIM] [--heads HEADS] [--seq-len SEQ_LEN] [--max-steps N]"
+    assert check.missing_flags(shown, cmd) == ["--depth"]
+    assert check.missing_flags(shown + " [--depth DEPTH]", cmd) == []
+    assert check.missing_flags(shown.replace(",text", ""), cmd) == ["--depth", "text"]
+    # --dim is not --dimension, nor --max-steps --max-steps-per-epoch
+    assert check.missing_flags("--dimension --max-steps-per-epoch", ["--dim", "--max-steps"]) == [
+        "--dim",
+        "--max-steps",
+        "text",
+        "gpt",
+    ]
+
+
+def test_the_text_file_makes_the_asked_steps_per_epoch(tmp_path):
+    """data.load_text on the check's text file: exactly `steps` whole batches to train on (the
+    second epoch, the measured one, is as long as the first), and a held-out tail."""
+    import data
+
+    for steps, batch, seq_len in ((30, 16, 1024), (3, 4, 32), (30, 8, 1024)):
+        path = check.text_file(tmp_path / "text.txt", steps, batch, seq_len)
+        train, held = data.load_text(path, seq_len)
+        assert len(train) // batch == steps and len(held) >= 1, (steps, batch, len(train))
+
+
+def test_a_memory_snapshot_too_large_is_cut_to_come_back(tmp_path, monkeypatch):
+    """A CUDA memory snapshot over the size the device tool brings back keeps 8 frames per
+    stack, then its later events, until it fits; one that fits comes back whole."""
+    frames = [dict(filename=f"file{i}.py", line=i, name=f"f{i}") for i in range(30)]
+    events = [dict(action="alloc", addr=i, size=512, frames=frames) for i in range(4000)]
+    snapshot = dict(segments=[dict(blocks=[dict(size=512, frames=frames)])], device_traces=[events])
+    (tmp_path / "profile").mkdir()
+    (tmp_path / "profile" / "rank0_memory.pickle").write_bytes(pickle.dumps(snapshot))
+    c = fake_check(tmp_path)
+    assert check.profile_files(c) == ["memory.pickle.gz"]
+    whole = pickle.loads(gzip.decompress((tmp_path / "memory.pickle.gz").read_bytes()))
+    assert whole == snapshot
+    monkeypatch.setattr(check, "FILE_LIMIT", 4000)
+    assert check.profile_files(c) == ["memory.pickle.gz"]
+    packed = (tmp_path / "memory.pickle.gz").read_bytes()
+    cut = pickle.loads(gzip.decompress(packed))
+    assert len(packed) <= 4000 and cut["device_traces"][0], len(packed)
+    assert cut["device_traces"][0][-1] == dict(events[-1], frames=frames[:8])
+    assert cut["segments"][0]["blocks"][0]["frames"] == frames[:8]
+
+
+def test_no_command_runs_twice_and_a_failed_fork_falls_back_to_fresh_processes(tmp_path):
+    """Phase e leaves the FSDP test's own run to phase f when f runs too (else keeps it); phase
+    f's pytest starts fresh interpreters when the fork server's children could not use CUDA."""
+    assert check.TEST_OWN in check.fsdp_variants(fake_check(tmp_path, phases="abcde"))
+    assert check.TEST_OWN not in check.fsdp_variants(fake_check(tmp_path, phases="ef"))
+    c = fake_check(tmp_path)
+    assert "FRESH_PROCESSES" not in check.tests_env(c)
+    c.fork_ok = False
+    assert check.tests_env(c)["FRESH_PROCESSES"] == "1"
+
+
+def test_the_probes_deterministic_mode_runs_the_script_as_itself(tmp_path):
+    """The new probes' commands (test_compile's, test_sync_bn_one_gpu's under torchrun,
+    cuda:0,cuda:0), and the deterministic mode's wrapper: the script runs as __main__ with
+    its own folder on sys.path (its imports) and deterministic algorithms on."""
+    c = fake_check(tmp_path)
+    runs, shared = check.probe_runs(c)
+    jobs = check.probe_jobs(c, runs, shared, ["off", "det"])
+    assert "--compile" in jobs[next(iter(jobs))][0]  # the longest first
+    sync_bn = [str(a) for a in jobs["cnn_sync_bn@det"][0]]
+    assert sync_bn[: len(check.TORCHRUN) + 2] == [
+        *check.TORCHRUN,
+        str(tmp_path / "deterministic.py"),
+        "ddp_train.py",
+    ]
+    assert "cuda:0,cuda:0" in jobs["mp_gpus@off"][0]
+    assert check.QUANTITIES["compiled CNN vs eager"][1:3] == ("cnn_compile", "cnn_nhwc")
+    folder = tmp_path / "scripts"  # not the wrapper's folder (the first on sys.path)
+    folder.mkdir()
+    (folder / "sibling.py").write_text("VALUE = 7\n")
+    script = "import sibling, torch\nprint(__name__, sibling.VALUE,"
+    script += " torch.are_deterministic_algorithms_enabled())\n"
+    (folder / "script.py").write_text(script)
+    proc = run_python([tmp_path / "deterministic.py", folder / "script.py"])
+    assert proc.stdout.split() == ["__main__", "7", "True"]

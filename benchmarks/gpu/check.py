@@ -1,35 +1,36 @@
-"""The first thing a session lent a GPU runs: one check of at most 7 minutes, every phase
-bounded, whose files say what the next changes need (tolerances, a stalled run's stacks).
+"""The first thing a session lent a GPU runs (README.md beside it: the two device calls):
+bounded phases whose files hold the figures (time to 94%, MFU, a GPU trace) and what fixes need.
 
-    python benchmarks/gpu/check.py                   # on the GPU machine: files under $OUT
-    python benchmarks/gpu/check.py --cpu --out DIR   # dry mode: every phase small, on the CPU
+    python benchmarks/gpu/check.py --phases abcd          # the first call: files under $OUT
+    python benchmarks/gpu/check.py --phases ef --deadline 220   # the follow-up, still warm
+    python benchmarks/gpu/check.py --cpu --out DIR         # dry mode: every phase small, on CPU
 
 Phases, in this order, each with a bound of its own (--phase-timeout) under one deadline
-(--deadline, 420 s); a phase that runs out is stopped, reported, and the next one starts:
-  a  versions: torch, CUDA, cuDNN, the GPU, its driver; the TF32 flags, and the error of an fp32
-     convolution and matmul against float64 with TF32 as it is and with NVIDIA_TF32_OVERRIDE=0
-  b  tolerance probes: what tests/test_gpu.py compares (channels_last against NCHW, the CNN
-     split over cuda:0 and the CPU against one device, the GPU against the CPU), each run with
-     TF32 on, off, off again (run-to-run noise), and off with deterministic algorithms
-  c  fsdp_train.py --cpu-offload, with and without --amp bf16 and --clip-grad, ViT and CNN:
-     side by side, each under torchrun, which finished and in how long
-  d  ddp_train.py's step against benchmarks/bare_loop.py's on the GPU (ResNet-18, bf16)
-  e  tests/test_gpu.py: the tests that failed last time first, then the others (-x)
+(--deadline, 450 s); a phase that runs out is stopped, reported, and the next one starts:
+  a  versions: torch, CUDA, cuDNN, the GPU, its driver, the TF32 flags and an fp32 convolution's
+     error with and without NVIDIA_TF32_OVERRIDE=0; whether a fork server's children can use
+     CUDA (else phase f runs with FRESH_PROCESSES=1); which debugger can take native stacks
+  b  ddp_train.py's ResNet-18 on Fashion-MNIST to the end (results.md's command): time to 94%,
+     ms per step against benchmarks/bare_loop.py's, flops_per_second and mfu
+  c  the GPT at GPT-2-small size, bf16, one GPU, under each sharded script that takes the
+     flags: tokens/s and MFU of a steady epoch; fsdp_train.py's run profiled (trace, memory)
+  d  tolerance probes: what tests/test_gpu.py compares, with TF32 on, off, off again (noise),
+     and off with deterministic algorithms
+  e  fsdp_train.py --cpu-offload variants side by side (the test's own run is phase f's)
+  f  tests/test_gpu.py: the tests that failed last time first, then the others (--maxfail=3)
 
-A command that outlives its bound is stopped with its whole process tree (torchrun's workers
-run in sessions of their own): first every Python process in it writes its threads' stacks
-(faulthandler, armed by a sitecustomize on PYTHONPATH), then SIGTERM, then SIGKILL. Files
-under --out ($OUT), five: summary.md (the table printed at the end, and each phase's
-figures), check.json, commands.log (every command, its status and its output's end),
-stacks.txt (the stacks of what was stopped), pytest.log. Runs write under a temporary folder.
-The Fashion-MNIST files for phase d: the four .gz files in --gz-dir (default .gpudata/, the
-folder carried to the GPU machine), unpacked into --data-dir/FashionMNIST/raw/.
+A command past its bound is stopped with its process tree, after its Python stacks
+(faulthandler) and native ones (py-spy or gdb, where installed) are taken. Files under --out, 8
+at most: summary.md, check.json, commands.log, stacks.txt, pytest.log, metrics.tar.gz (every
+run's metrics.jsonl), trace.json.gz and memory.pickle.gz (phase c's profile).
 """
 
 import argparse
 import concurrent.futures
 import contextlib
+import functools
 import gzip
+import importlib.util
 import json
 import math
 import os
@@ -39,6 +40,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -50,12 +52,14 @@ PY = sys.executable
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
 PHASES = {
     "a": ("versions", 60),
-    "b": ("tolerance probes", 150),
-    "c": ("fsdp cpu offload", 130),
-    "d": ("step vs bare loop", 100),
-    "e": ("test_gpu.py", 300),
+    "b": ("resnet18 to 94%", 160),
+    "c": ("gpt mfu", 240),
+    "d": ("tolerance probes", 140),
+    "e": ("fsdp cpu offload", 100),
+    "f": ("test_gpu.py", 300),
 }
 GRACE = 10  # seconds between SIGTERM and SIGKILL when a command is stopped
+NATIVE_BOUND = 20  # seconds for a stalled command's native stacks (all its processes at once)
 TF32_OFF = {"NVIDIA_TF32_OVERRIDE": "0"}  # read by cuBLAS and cuDNN when they load
 # test_gpu.py's environment for every run: cuBLAS repeats its bits only with a fixed workspace.
 TEST_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", **TF32_OFF}
@@ -83,10 +87,18 @@ def _arm(folder):
     return file
 
 
+def _ours(folder):  # one like this (a command bounded inside a bounded command has two)
+    try:
+        with open(os.path.join(folder or ".", "sitecustomize.py")) as f:
+            return "Written by benchmarks/gpu/check.py" in f.read(100)
+    except OSError:
+        return False
+
+
 _file = _arm(os.environ["DUMP_STACKS_DIR"]) if os.environ.get("DUMP_STACKS_DIR") else None
-# The sitecustomize this one hides, if there is one, runs as it would have.
-_here = os.path.dirname(os.path.abspath(__file__))
-_rest = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+# The sitecustomize this one hides, if there is one, runs as it would have; one of this kind
+# is not run again (two would find each other, without end).
+_rest = [p for p in sys.path if not _ours(p)]
 _spec = importlib.machinery.PathFinder.find_spec("sitecustomize", _rest)
 if _spec:
     _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
@@ -108,6 +120,38 @@ def read_stacks(folder):
     files = sorted(Path(folder).glob("*.txt"), key=lambda f: f.stat().st_mtime)
     texts = [f.read_text(errors="replace") for f in files]
     return "\n".join(t for t in texts if "most recent call first" in t)
+
+
+def native_tool():
+    """The command that prints a process's native stacks, PID last, or None: py-spy (Python
+    and C frames interleaved) where installed, else gdb's backtrace of every thread."""
+    if shutil.which("py-spy"):
+        return ["py-spy", "dump", "--native", "--pid"]
+    if shutil.which("gdb"):
+        quiet = ["-nx", "-batch", "-ex", "set debuginfod enabled off", "-ex", "set pagination off"]
+        return ["gdb", *quiet, "-ex", "thread apply all bt 40", "-p"]
+    return None
+
+
+def native_stacks(pids, timeout=NATIVE_BOUND):
+    """Each process's native stacks (native_tool), all at once, each bounded; "" without a
+    tool. Where a thread is stuck in C (NCCL, a CUDA call, a lock), the frames say which."""
+    tool = native_tool()
+    if not tool or not pids:
+        return ""
+
+    def one(pid):
+        try:
+            proc = subprocess.run(
+                [*tool, str(pid)], capture_output=True, text=True, errors="replace", timeout=timeout
+            )
+            text = proc.stdout + proc.stderr[-2000:]
+        except subprocess.TimeoutExpired:
+            text = f"(no stacks in {timeout} s)"
+        return f"native stacks of pid {pid} ({tool[0]}):\n{text.strip()}\n"
+
+    with concurrent.futures.ThreadPoolExecutor(len(pids)) as pool:
+        return "\n".join(pool.map(one, pids))
 
 
 def process_tree(pid):
@@ -161,16 +205,20 @@ def signal_all(pids, sig, groups=True):
                 os.kill(pid, sig)
 
 
-def stop_tree(proc, grace=GRACE, dump_wait=1.0):
+def stop_tree(proc, grace=GRACE, dump_wait=1.0, native=False):
     """Stop proc and everything it started: their Python stacks first (SIGUSR1, see
-    with_stack_dumps), then SIGTERM to every process and process group of the tree, SIGKILL
-    to what is left after `grace` s. The tree, not only proc's group: torchrun starts each
-    worker in a session of its own. Collected before the first signal: an orphan is found no
-    more."""
+    with_stack_dumps; none with dump_wait None), with `native` their native stacks next
+    (returned), then SIGTERM to every process and process group of the tree, SIGKILL to what
+    is left after `grace` s. The tree, not only proc's group: torchrun starts each worker in a
+    session of its own. Collected before the first signal: an orphan is found no more."""
     seen = set(process_tree(proc.pid))
-    signal_all(seen, signal.SIGUSR1, groups=False)
-    time.sleep(dump_wait)
+    if dump_wait is not None:
+        signal_all(seen, signal.SIGUSR1, groups=False)
+        time.sleep(dump_wait)
     seen |= set(process_tree(proc.pid))
+    stacks = native_stacks(sorted(p for p in seen if alive(p))) if native else ""
+    if stacks:  # a debugger stopped in its attach leaves its process stopped
+        signal_all(seen, signal.SIGCONT, groups=False)
     signal_all(seen, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
@@ -180,6 +228,7 @@ def stop_tree(proc, grace=GRACE, dump_wait=1.0):
         time.sleep(0.1)
     seen |= set(process_tree(proc.pid))
     signal_all([p for p in seen if alive(p)], signal.SIGKILL)
+    return stacks
 
 
 def start_fresh(cmd, cwd, env):
@@ -219,21 +268,27 @@ class Run:
 LIVE = set()  # the commands running now (stop_live ends them)
 
 
-def run_bounded(cmd, timeout, env=None, cwd=ROOT, start=start_fresh, grace=GRACE):
+def run_bounded(
+    cmd, timeout, env=None, cwd=ROOT, start=start_fresh, grace=GRACE, native=True, until=None
+):
     """Run cmd to its end or for `timeout` s, whichever comes first, in a session of its own
-    (start(cmd, cwd, env) must give it one); on timeout stop_tree, with the stacks."""
+    (start(cmd, cwd, env) must give it one); on timeout stop_tree, with the stacks (and with
+    `native`, each process's native stacks after the Python ones). With `until`, a function
+    asked every half second: once it says True, what is left of the command is not waited
+    for (stopped without stacks; status 0, extra["cut"] True)."""
     cmd = list(map(str, cmd))
     folder = tempfile.mkdtemp(prefix="stacks-")
-    proc = None
+    proc, native_text = None, ""
     try:
         proc = start(cmd, cwd, with_stack_dumps(dict(env or os.environ), folder))
         t0 = time.monotonic()  # the command's own time (not a fork server's start)
         LIVE.add(proc)
         try:
-            out, err = proc.communicate(timeout=timeout)
-            status = proc.returncode
+            out, err, cut = wait(proc, timeout, until)
+            status = 0 if cut else proc.returncode
         except BaseException as e:
-            stop_tree(proc, grace)
+            timeout_hit = isinstance(e, subprocess.TimeoutExpired)
+            native_text = stop_tree(proc, grace, native=native and timeout_hit)
             if not isinstance(e, subprocess.TimeoutExpired):
                 raise
             status = "timed out"
@@ -241,10 +296,30 @@ def run_bounded(cmd, timeout, env=None, cwd=ROOT, start=start_fresh, grace=GRACE
                 out, err = proc.communicate(timeout=30)
             except subprocess.TimeoutExpired:  # a process out of reach still holds a pipe
                 out, err = "", "(output not read: a process still holds the pipes)"
-        return Run(cmd, status, time.monotonic() - t0, out, err, read_stacks(folder), timeout)
+        stacks = "\n".join(filter(None, [read_stacks(folder), native_text]))
+        run = Run(cmd, status, time.monotonic() - t0, out, err, stacks, timeout)
+        run.extra["cut"] = status == 0 and proc.returncode != 0
+        return run
     finally:
         LIVE.discard(proc)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def wait(proc, timeout, until=None):
+    """(stdout, stderr, cut): proc's output once it ends or, where until() says True first,
+    once it is stopped (cut True); TimeoutExpired after `timeout` s."""
+    if until is None:
+        return (*proc.communicate(timeout=timeout), False)
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            return (*proc.communicate(timeout=min(0.5, max(0.01, end - time.monotonic()))), False)
+        except subprocess.TimeoutExpired:
+            if until():
+                stop_tree(proc, grace=5, dump_wait=None)
+                return (*proc.communicate(timeout=30), True)
+            if time.monotonic() >= end:
+                raise
 
 
 def stop_live(signum, frame):
@@ -274,6 +349,12 @@ STALL = "import time\ndef stalled_on_purpose():\n    while True:\n        time.s
 STALL += "stalled_on_purpose()\n"
 
 
+def cuda_available():
+    import torch
+
+    return torch.cuda.is_available()
+
+
 class Check:
     def __init__(self, args):
         self.args, self.t0 = args, time.monotonic()
@@ -286,8 +367,10 @@ class Check:
         for name in ("commands.log", "stacks.txt"):
             (self.out / name).write_text("")
         self.phase, self.phase_end, self.runs = None, self.deadline, []
-        self.cuda = False
-        self.device = "cpu"
+        # (phase a says it again, with the device's name)
+        self.cuda = not args.cpu and "a" not in args.phases and cuda_available()
+        self.device = "cuda" if self.cuda else "cpu"
+        self.fork_ok, self.fork_runs = None, []  # can a fork server's children use CUDA?
         self.start = start_fresh
         self.server = None
         if args.fork_server:  # the dry mode's: torch imported once (tests/forkserver.py)
@@ -324,7 +407,7 @@ class Check:
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "2"))
         return env | (extra or {})
 
-    def run(self, name, cmd, bound, env=None, start=None):
+    def run(self, name, cmd, bound, env=None, start=None, until=None):
         """One command, bounded by `bound` and by what is left of the phase; logged."""
         left = self.phase_end - time.monotonic()
         if left < 1:
@@ -332,11 +415,12 @@ class Check:
         else:
             if self.phase in self.args.stall:
                 cmd = [PY, "-c", STALL]
-            run = run_bounded(cmd, min(bound, left), env or self.env(), start=start or self.start)
+            start = start or self.start
+            run = run_bounded(cmd, min(bound, left), env or self.env(), start=start, until=until)
             run.extra["name"] = name
         with self.lock:
             self.runs.append(run)
-            status = "ok" if run.ok else run.status
+            status = ("ok, cut" if run.extra.get("cut") else "ok") if run.ok else run.status
             self.say(f"{self.phase}/{name}: {status} in {run.seconds:.1f} s")
             head = (
                 f"== {self.phase}/{name}: {status}, {run.seconds:.1f} s (bound {run.timeout:.0f} s)"
@@ -347,7 +431,7 @@ class Check:
         return run
 
     def run_many(self, jobs, parallel):
-        """jobs: {name: (cmd, bound, env)}, `parallel` at a time; {name: Run}."""
+        """jobs: {name: (cmd, bound, env[, start])}, `parallel` at a time; {name: Run}."""
         with concurrent.futures.ThreadPoolExecutor(max(1, parallel)) as pool:
             futures = {n: pool.submit(self.run, n, *job) for n, job in jobs.items()}
             return {n: f.result() for n, f in futures.items()}
@@ -427,6 +511,10 @@ def phase_versions(c):
         figures["nvidia_smi"] = smi.stdout.strip() if smi.ok else f"failed: {smi.status}"
     c.cuda = bool(figures.get("cuda_available")) and not c.args.cpu
     c.device = "cuda" if c.cuda else "cpu"
+    figures["fork_server"] = fork_probe(c)
+    tool = native_tool()
+    figures["native_stacks"] = shlex.join(tool[:1]) if tool else "none: Python stacks only"
+    runs = [*runs.values(), *c.fork_runs]
     key = [f"torch {figures.get('torch')}", f"CUDA {figures.get('cuda')}"]
     key += [f"cuDNN {figures.get('cudnn')}", str(figures.get("gpu", "no GPU"))]
     if "," in figures.get("nvidia_smi", ""):
@@ -436,7 +524,51 @@ def phase_versions(c):
             f"fp32 conv error {figures['conv_error']:.1e} (TF32 off: "
             f"{figures.get('conv_error_tf32_override_0', float('nan')):.1e})"
         )
-    return phase_status(runs.values()), figures, "; ".join(key), [], list(runs.values())
+    key.append(f"fork server: {figures['fork_server']}")
+    key.append(f"native stacks: {figures['native_stacks']}")
+    return phase_status(runs), figures, "; ".join(key), [], runs
+
+
+# Two children of a fork server at once, as tests/test_gpu.py starts its runs: each uses the
+# GPU (a matmul, a cuDNN convolution). CUDA initialised in the server before the fork would
+# fail them ("CUDA initialization error", or a hang).
+FORK_PROBE = r"""
+import json, torch
+import torch.nn.functional as F
+device = "cuda" if torch.cuda.is_available() else "cpu"
+x = torch.randn(64, 64, device=device)
+conv = F.conv2d(torch.randn(2, 3, 8, 8, device=device), torch.randn(4, 3, 3, 3, device=device))
+print(json.dumps(dict(device=device, value=float((x @ x).sum() + conv.sum()))))
+"""
+
+
+def fork_probe(c):
+    """'works' or 'fails: ...' for python commands forked from tests/forkserver.py's server
+    (phase f falls back to FRESH_PROCESSES=1 when it fails); once per check, the runs kept in
+    c.fork_runs."""
+    if c.fork_ok is not None:
+        return "works" if c.fork_ok else "fails"
+    if c.phase_end - time.monotonic() < 5:
+        return "not probed: no time left in the phase"
+    sys.path.insert(0, str(ROOT / "tests"))
+    import forkserver
+
+    server = c.server or forkserver.Server(c.env(TEST_ENV))  # the dry mode's, or one like it
+    try:
+        start = lambda cmd, cwd, env: server.popen(cmd, cwd, env, new_session=True)  # noqa: E731
+        jobs = {f"fork-{i}": ([PY, "-c", FORK_PROBE], 60, c.env(TEST_ENV), start) for i in (1, 2)}
+        done = c.run_many(jobs, 2)
+    finally:
+        if server is not c.server:
+            server.close()
+    c.fork_runs = list(done.values())
+    reports = [last_json(r.stdout) if r.ok else None for r in c.fork_runs]
+    c.fork_ok = all(r and r["device"] == c.device for r in reports)
+    if c.fork_ok:
+        return f"works ({c.device})"
+    failed = [r for r, report in zip(c.fork_runs, reports, strict=True) if not report]
+    failed = (failed or c.fork_runs)[0]
+    return f"fails ({failed.status}: {failed.stderr.strip()[-150:]}): FRESH_PROCESSES=1"
 
 
 # ---- b: tolerance probes
@@ -449,10 +581,11 @@ MLP += ["--lr", "0.8", "--warmup", "0"]
 CNN = ["--model", "cnn", "--epochs", "1", "--batch-size", "32", "--max-steps", "5", "--lr", "0.4"]
 MP = ["--epochs", "1", "--max-steps", "5", "--batch-size", "32", "--lr", "4"]
 INITIAL = ["--max-steps", "1", "--lr", "1e-12"]
-DETERMINISTIC = (
-    "import runpy, sys, torch\n"
+DETERMINISTIC = (  # written to a file: python FILE SCRIPT ARGS, or torchrun FILE SCRIPT ARGS
+    "import os, runpy, sys, torch\n"
     "torch.use_deterministic_algorithms(True, warn_only=True)\n"
     "sys.argv = sys.argv[1:]\n"
+    "sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))\n"
     "runpy.run_path(sys.argv[0], run_name='__main__')\n"
 )
 # Each mode: its environment and whether it runs with torch.use_deterministic_algorithms.
@@ -503,8 +636,15 @@ def probe_runs(c):
             [*MP, "--device", dev, "--devices", mp_split, "--microbatches", "4"],
         ),
     }
-    if c.cuda:
+    if c.cuda:  # (on the CPU: no TF32 to differ by; no compile or SyncBatchNorm without CUDA)
         runs["mlp_gpu"] = ("ddp_train.py", [*MLP, "--device", "cuda"])
+        runs["mp_gpus"] = (
+            "model_parallel.py",
+            [*MP, "--device", dev, "--devices", "cuda:0,cuda:0", "--microbatches", "4"],
+        )
+        runs["cnn_compile"] = ("ddp_train.py", [*CNN, "--device", dev, "--compile"])
+        # under torchrun, as the test: SyncBatchNorm with a process group of one
+        runs["cnn_sync_bn"] = ("torchrun ddp_train.py", [*CNN, "--device", dev, "--sync-bn"])
     shared = {
         "initial-cnn": ("ddp_train.py", [*CNN, "--device", "cpu", *INITIAL]),
         "initial-mp": ("model_parallel.py", [*MP, "--device", "cpu", "--devices", "cpu", *INITIAL]),
@@ -525,23 +665,47 @@ QUANTITIES = {
         "initial-mp",
     ),
     "GPU vs CPU (MLP)": ("test_gpu_equals_cpu", "mlp_gpu", "mlp_cpu", "initial-mlp"),
+    "model_parallel cuda:0,cuda:0 vs one device": (
+        "test_model_parallel_devices[cuda:0,cuda:0]",
+        "mp_gpus",
+        "mp_one",
+        "initial-mp",
+    ),
+    "compiled CNN vs eager": ("test_compile", "cnn_compile", "cnn_nhwc", "initial-cnn"),
+    "SyncBatchNorm, one GPU, vs BatchNorm": (
+        "test_sync_bn_one_gpu",
+        "cnn_sync_bn",
+        "cnn_nhwc",
+        "initial-cnn",
+    ),
 }
+
+
+def probe_jobs(c, runs, shared, modes):
+    """{name: (cmd, bound, env)} of the probes' runs, the compiled ones first (the longest);
+    a script named "torchrun SCRIPT" runs under torchrun, and in the deterministic mode every
+    script runs through c.work/deterministic.py."""
+    jobs = {}
+    for name, (script, flags) in shared.items():
+        cmd = [PY, script, *SYN, *flags, "--output-dir", c.output_dir(name)]
+        jobs[name] = (cmd, 90, c.env(TEST_ENV))
+    wrapper = c.work / "deterministic.py"
+    wrapper.write_text(DETERMINISTIC)
+    for mode in modes:
+        extra, deterministic = MODES[mode]
+        for name, (script, flags) in runs.items():
+            key = f"{name}@{mode}"
+            cmd = TORCHRUN if script.startswith("torchrun ") else [PY]
+            cmd = [*cmd, *[wrapper] * deterministic, script.removeprefix("torchrun ")]
+            cmd += [*SYN, *flags, "--output-dir", c.output_dir(key)]
+            jobs[key] = (cmd, 150 if "--compile" in flags else 90, c.env(extra))
+    return dict(sorted(jobs.items(), key=lambda job: "--compile" not in job[1][0]))
 
 
 def phase_probes(c):
     runs, shared = probe_runs(c)
     modes = [m for m in c.args.modes.split(",") if c.cuda or m != "on"]  # TF32 needs CUDA
-    jobs = {}
-    for name, (script, flags) in shared.items():
-        cmd = [PY, script, *SYN, *flags, "--output-dir", c.output_dir(name)]
-        jobs[name] = (cmd, 90, c.env(TEST_ENV))
-    for mode in modes:
-        extra, deterministic = MODES[mode]
-        for name, (script, flags) in runs.items():
-            key = f"{name}@{mode}"
-            cmd = [PY, "-c", DETERMINISTIC] if deterministic else [PY]
-            cmd += [script, *SYN, *flags, "--output-dir", c.output_dir(key)]
-            jobs[key] = (cmd, 90, c.env(extra))
+    jobs = probe_jobs(c, runs, shared, modes)
     done = c.run_many(jobs, c.args.parallel)
     state = {name: load_model(c.work / name) for name in jobs}
     table, figures = [], {}
@@ -602,8 +766,12 @@ FSDP = ["--dist-timeout", "60", "--data", "synthetic", "--batch-size", "32", "--
 FSDP += ["--warmup", "0", "--lr", "0.05", "--save-every", "2"]
 
 
+TEST_OWN = "vit-bf16-clip"  # test_gpu.py::test_fsdp_bf16_and_cpu_offload's own run
+
+
 def fsdp_variants(c):
-    """{name: flags}: the test's run (ViT, bf16, clip, async save) and its neighbours."""
+    """{name: flags}: the test's run (ViT, bf16, clip, async save) and its neighbours; the
+    test's own run left to phase f where that runs too (no command twice)."""
     variants = {}
     for model in ("vit", "cnn"):
         for amp in ("bf16", "none"):
@@ -612,8 +780,11 @@ def fsdp_variants(c):
                 flags = ["--model", model, "--amp", amp, "--async-save"]
                 variants[name] = flags + ["--clip-grad", "1"] * clip
     variants["vit-bf16-clip-sync-save"] = ["--model", "vit", "--amp", "bf16", "--clip-grad", "1"]
+    if "f" in c.args.phases:
+        del variants[TEST_OWN]
     if not c.cuda:  # the dry mode: two of them, on the CPU (no offload without CUDA)
-        variants = {k: variants[k] for k in ("vit-bf16-clip", "cnn-none")}
+        names = [n for n in (TEST_OWN, "cnn-none", "vit-bf16-clip-sync-save") if n in variants]
+        variants = {k: variants[k] for k in names[:2]}
     return variants
 
 
@@ -622,7 +793,7 @@ def phase_fsdp(c):
     jobs = {}
     for name, flags in fsdp_variants(c).items():
         cmd = [*TORCHRUN, "fsdp_train.py", *FSDP, *offload, *flags]
-        jobs[name] = ([*cmd, "--output-dir", c.output_dir("fsdp-" + name)], 120, c.env(TEST_ENV))
+        jobs[name] = ([*cmd, "--output-dir", c.output_dir("fsdp-" + name)], 90, c.env(TEST_ENV))
     done = c.run_many(jobs, len(jobs))
     table, figures = [], {}
     for name, run in done.items():
@@ -631,6 +802,8 @@ def phase_fsdp(c):
         figures[name] = dict(status=status, seconds=round(run.seconds, 1), command=show(run.cmd))
         table.append([name, status, f"{run.seconds:.1f}", steps[-1] if steps else ""])
     lines = ["Each variant under `torchrun --nproc_per_node=1`, all at once:", ""]
+    if "f" in c.args.phases:
+        lines[0] += f" ({TEST_OWN}, the test's own run, is phase f's)"
     lines += markdown([["variant", "status", "seconds", "last step logged"], *table])
     finished = sum(r.ok for r in done.values())
     stalled = [n for n, r in done.items() if r.status == "timed out"]
@@ -661,64 +834,284 @@ def unpack_fashion_mnist(gz_dirs, data_dir):
     return True
 
 
-def phase_step(c):
+def run_all():
+    """benchmarks/run_all.py as a module: its GPU recipe and its readings of metrics.jsonl."""
+    spec = importlib.util.spec_from_file_location("run_all", ROOT / "benchmarks/run_all.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def epochs_written(folder, trace=None):
+    """Whether FOLDER/metrics.jsonl holds two whole lines (2 epochs) and `trace`, if any, is
+    written."""
+    file = Path(folder) / "metrics.jsonl"
+    done = file.exists() and file.read_text().count("\n") >= 2
+    return done and (trace is None or trace.exists())
+
+
+def read_metrics(folder):
+    file = Path(folder) / "metrics.jsonl"
+    lines = file.read_text().splitlines() if file.exists() else []
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def steady_mean(metrics, key):
+    """The mean of `key` over the epochs after the first (run_all.steady), or None."""
+    values = [m[key] for m in (metrics[1:] or metrics) if m.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def phase_resnet(c):
+    """ddp_train.py to the end with results.md's command (run_all.py's section e, 15 epochs),
+    then the bare loop: time to 94%, ms per step against the bare loop's, FLOP/s and MFU."""
+    bench = run_all()
     data_dir = Path(c.args.data_dir)
     if data_dir.is_symlink() and not data_dir.exists():  # a link that did not travel whole
         data_dir = Path(c.args.gz_dir) / "data"
     gz_dirs = [c.args.gz_dir, "/usr/share/datasets/fashion-mnist"]
     fashion = c.cuda and unpack_fashion_mnist(gz_dirs, data_dir)
-    if fashion:  # run_all.py's section e, two epochs
-        data = ["--data", "fashion-mnist", "--data-dir", data_dir]
-        model = ["--model", "resnet18", "--batch-size", "256", "--amp", "bf16", "--augment"]
-        epochs, bare_steps = 2, 200
+    if fashion:
+        recipe = [*bench.GPU_RECIPE, "--data-dir", data_dir, "--epochs", str(c.args.gpu_epochs)]
+        bare_flags = [*bench.GPU_BARE, "--data-dir", data_dir, "--steps", "200"]
+        bounds = (130, 45)
     else:  # no data set or no GPU: the same commands, small
-        data, model, epochs, bare_steps = ["--data", "synthetic"], ["--model", "mlp"], 2, 50
-        model += ["--batch-size", "64"]
+        data = ["--data", "synthetic", "--model", "mlp", "--batch-size", "64"]
+        recipe, bare_flags, bounds = [*data, "--epochs", "2"], [*data, "--steps", "50"], (90, 60)
     dev = ["--device", c.device]
-    ddp = [PY, "ddp_train.py", *data, *model, *dev, "--epochs", str(epochs), "--channels-last"]
-    ddp += ["--output-dir", c.output_dir("step-ddp")]
-    bare = [PY, "benchmarks/bare_loop.py", *data, *model, *dev, "--steps", str(bare_steps)]
-    runs = [c.run("ddp_train", ddp, 90), c.run("bare_loop", bare, 60)]  # one after the other
-    figures = dict(data="fashion-mnist" if fashion else "synthetic", model=model[1])
-    metrics = c.work / "step-ddp" / "metrics.jsonl"
-    if runs[0].ok and metrics.exists():
-        m = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        steady = m[-1]["epoch_seconds"] / (m[-1]["step"] - m[-2]["step"])  # after the first
-        figures["ddp_ms_per_step"] = 1000 * steady
+    ddp = [PY, "ddp_train.py", *recipe, *dev, "--output-dir", c.output_dir("resnet-ddp")]
+    bare = [PY, "benchmarks/bare_loop.py", *bare_flags, *dev]
+    runs = [c.run("ddp_train", ddp, bounds[0]), c.run("bare_loop", bare, bounds[1])]
+    figures = dict(data="fashion-mnist" if fashion else "synthetic", target=bench.GPU_TARGET)
+    metrics = read_metrics(c.work / "resnet-ddp") if runs[0].ok else []
+    if len(metrics) >= 2:
+        hit = bench.time_to(metrics, bench.GPU_TARGET)
+        figures.update(time_to_target=hit and hit[0], target_epoch=hit and hit[1])
+        figures.update(epochs=len(metrics), final_acc=metrics[-1]["test_acc"])
+        figures["first_epoch_seconds"] = metrics[0]["epoch_seconds"]
+        figures["ddp_ms_per_step"] = bench.ms_per_step(metrics)
+        figures["images_per_second"] = bench.samples_per_second(metrics)
+        for key in ("flops_per_second", "mfu"):
+            figures[key] = steady_mean(metrics, key)
     out = last_json(runs[1].stdout) if runs[1].ok else None
     if out:
         figures["bare_ms_per_step_wall"] = out["ms_per_step_wall"]
         figures["bare_ms_per_step"] = out["ms_per_step"]
+        figures["bare_cudnn_benchmark"] = out.get("cudnn_benchmark")
     if "ddp_ms_per_step" in figures and out:
         figures["ratio"] = figures["ddp_ms_per_step"] / out["ms_per_step_wall"]
     figures["commands"] = [show(r.cmd) for r in runs]
-    key = f"{figures['model']} on {figures['data']}: ddp_train.py " + (
-        f"{figures['ddp_ms_per_step']:.2f} ms" if "ddp_ms_per_step" in figures else "n/a"
-    )
+    f = figures
+    key = f"{'resnet18' if fashion else 'mlp'} on {f['data']}: "
+    if "time_to_target" in f:
+        to = f["target_epoch"] and f"in {f['time_to_target']:.1f} s (epoch {f['target_epoch']})"
+        key += f"{f['target']:.0%} {to or 'not reached'}"
+        key += f", final {f['final_acc']:.1%}; "
+    key += "ddp_train.py " + (f"{f['ddp_ms_per_step']:.2f} ms" if "ddp_ms_per_step" in f else "n/a")
     key += ", bare loop " + (f"{out['ms_per_step_wall']:.2f} ms" if out else "n/a")
-    key += f": {figures['ratio']:.2f}x" if "ratio" in figures else ""
+    key += f": {f['ratio']:.2f}x" if "ratio" in f else ""
+    if f.get("flops_per_second"):
+        key += f"; {f['flops_per_second'] / 1e12:.3g} TFLOP/s"
+        key += f", MFU {f['mfu']:.1%}" if f.get("mfu") else ""
     return phase_status(runs), figures, key, [], runs
 
 
-# ---- e: tests/test_gpu.py
+# ---- c: the GPT at GPT-2-small size under each sharded script, one GPU
+
+LM_SCRIPTS = ("fsdp_train.py", "tensor_parallel.py", "context_parallel.py")
+LM_SCRIPTS += ("expert_parallel.py", "model_parallel.py", "nd_parallel.py")
+LM = ["--data", "text", "--model", "gpt", "--amp", "bf16", "--lr", "0.01"]  # 6e-4 at batch 16
+# GPT-2 small's shape (124 M weights with its 50 k-token vocabulary; here bytes: 85 M), and a
+# batch that fits an H100 with room. The dry mode's: small, without --depth (the default).
+LM_SIZE = ["--depth", "12", "--dim", "768", "--heads", "12", "--seq-len", "1024"]
+LM_DRY = ["--dim", "32", "--heads", "2", "--seq-len", "32"]
+LM_STEPS = 30  # per epoch; 2 epochs: the second, steady, is the one measured
+COMPILED = ("fsdp_train.py", "nd_parallel.py")  # also with --compile (on a GPU)
+PROFILED = "fsdp_train.py"  # the run whose trace and memory snapshot come back
+
+
+def lm_plan(c):
+    """[(name, script, its own flags)]: each script, fsdp_train.py's compiled run second (the
+    best MFU expected, and a cut phase loses the runs at its end)."""
+    plan = [(s, s, []) for s in LM_SCRIPTS]
+    plan[4][2].extend(["--devices", "cuda:0" if c.cuda else "cpu"])  # model_parallel.py: unsplit
+    compiled = [(f"{s} --compile", s, ["--compile"]) for s in COMPILED]
+    if not c.cuda:  # the dry mode: no compile (minutes on the CPU)
+        return plan
+    return [plan[0], compiled[0], *plan[1:], *compiled[1:]]
+
+
+def text_file(path, steps, batch, seq_len):
+    """A UTF-8 file of the standard library's sources cut so that data.load_text makes
+    `steps` whole batches of `batch` windows (and half a batch, dropped) for training, the
+    held-out 5% after them."""
+    need = (steps * batch + batch // 2) * seq_len + 1
+    size = need
+    while size - max(size // 20, seq_len + 1) < need:
+        size += 1 + (need - size + max(size // 20, seq_len + 1)) // 2
+    text = b""
+    for file in sorted(Path(os.__file__).parent.glob("*.py")):
+        text += file.read_bytes()
+        if len(text) > size + 8:
+            break
+    Path(path).write_bytes(text[:size].decode("utf-8", "ignore").encode())
+    return path
+
+
+def missing_flags(help_text, cmd):
+    """The flags (and the choices text and gpt) of cmd that a script's --help does not show."""
+    wanted = [a for a in map(str, cmd) if a.startswith("--")] + ["text", "gpt"]
+    shown = lambda w: re.search(rf"(?<![\w-]){re.escape(w)}(?![\w-])", help_text)  # noqa: E731
+    return [w for w in dict.fromkeys(wanted) if not shown(w)]
+
+
+def phase_gpt(c):
+    batch, steps = (16, LM_STEPS) if c.cuda else (4, 3)
+    size = LM_SIZE if c.cuda else LM_DRY
+    seq_len = int(size[size.index("--seq-len") + 1])
+    present = [s for s in LM_SCRIPTS if (ROOT / s).exists()]
+    helps = c.run_many({s: ([PY, s, "--help"], 60, c.env()) for s in present}, len(present))
+    rows, figures, runs = [], {}, list(helps.values())
+    texts = {}
+    for name, script, extra in lm_plan(c):
+        base = [*LM, *size, "--device", c.device, "--epochs", "2", "--max-steps", str(2 * steps)]
+        base += extra
+        if script not in present:
+            figures[name] = dict(status="skipped: not in this tree")
+            continue
+        missing = missing_flags(helps[script].stdout, [*base, "--batch-size", "--output-dir"])
+        if not helps[script].ok or missing:
+            why = f"does not take {' '.join(missing)}" if helps[script].ok else "--help failed"
+            figures[name] = dict(status=f"skipped: {why}")
+            continue
+        if not c.cuda and name != PROFILED:  # the dry mode: one run, the others' flags read
+            figures[name] = dict(status="skipped: dry mode (takes the flags)")
+            continue
+        for b in (batch, batch // 2):  # out of memory: once more at half the batch
+            if b not in texts:
+                texts[b] = text_file(c.work / f"text-{b}.txt", steps, b, seq_len)
+            folder = c.output_dir("gpt-" + name.replace(".py", "").replace(" --", "-"))
+            cmd = [PY, script, *base, "--batch-size", str(b), "--data-dir", texts[b]]
+            cmd += ["--output-dir", folder]
+            if name == PROFILED:  # steps 4-6, in the first epoch (on the GPU: of 30 steps)
+                cmd += ["--profile", c.work / "profile"]
+            bound = 150 if "--compile" in extra or not c.cuda else 60  # (the CPU: a shared one)
+            # Measured once the last epoch's line is written (and the profile, if any): the
+            # checkpoint, model.pt and the sample generated on the CPU after it are not waited for.
+            trace = c.work / "profile" / "rank0.json" if name == PROFILED else None
+            run = c.run(
+                name, cmd, bound, c.env(), until=functools.partial(epochs_written, folder, trace)
+            )
+            runs.append(run)
+            if run.ok or "out of memory" not in run.stderr.lower() or b < 2:
+                break
+        figures[name] = lm_figures(run, read_metrics(folder), b, seq_len)
+        figures[name]["command"] = show(run.cmd)
+    for name, f in figures.items():
+        cells = [fmt(f.get(k)) for k in ("batch", "tokens_per_second", "tflops", "mfu", "epochs")]
+        rows.append([name, f["status"], *cells])
+    header = ["run", "status", "batch", "tokens/s", "TFLOP/s", "MFU", "epochs"]
+    lines = ["The GPT, " + " ".join(size) + ", bf16, one device; the last epoch's figures:", ""]
+    lines += markdown([header, *rows])
+    measured = {n: f for n, f in figures.items() if f.get("tokens_per_second")}
+    key = "; ".join(
+        f"{n}: {f['tokens_per_second']:.3g} tok/s"
+        + (f", MFU {f['mfu']:.1%}" if f.get("mfu") else "")
+        for n, f in measured.items()
+    )
+    skipped = [n for n, f in figures.items() if f["status"].startswith("skipped")]
+    key += f"; skipped: {', '.join(skipped)}" * bool(skipped)
+    figures["profile"] = profile_files(c)
+    key += f"; profile: {', '.join(figures['profile']) or 'none'}"
+    return phase_status(runs), figures, key.strip("; "), lines, runs
+
+
+def lm_figures(run, metrics, batch, seq_len):
+    """A run's figures from the last line of its metrics.jsonl: the steady epoch's where there
+    are two (the first pays the warm-up)."""
+    f = dict(status="finished" if run.ok else str(run.status), batch=batch, seconds=run.seconds)
+    if metrics:
+        last = metrics[-1]
+        f.update(epochs=len(metrics), steps=last["step"], mfu=last.get("mfu"))
+        f["samples_per_second"] = last["samples_per_second"]
+        f["tokens_per_second"] = last["samples_per_second"] * seq_len
+        f["flops_per_second"] = last.get("flops_per_second")
+        f["tflops"] = f["flops_per_second"] and f["flops_per_second"] / 1e12
+    return f
+
+
+FILE_LIMIT = 15 << 20  # bytes: the device tool brings back files of up to 16 MiB
+
+
+def profile_files(c):
+    """The profiled run's trace and CUDA memory snapshot, gzipped into --out (trace.json.gz,
+    memory.pickle.gz); a snapshot too large keeps fewer stack frames, then fewer events."""
+    written, folder = [], c.work / "profile"
+    for source, target in (
+        ("rank0.json", "trace.json.gz"),
+        ("rank0_memory.pickle", "memory.pickle.gz"),
+    ):
+        if not (folder / source).exists():
+            continue
+        data = (folder / source).read_bytes()
+        packed = gzip.compress(data, 6)
+        if len(packed) > FILE_LIMIT and source.endswith(".pickle"):
+            packed = shrink_snapshot(data)
+        if len(packed) <= FILE_LIMIT:
+            (c.out / target).write_bytes(packed)
+            written.append(target)
+    return written
+
+
+def shrink_snapshot(data):
+    """A memory snapshot (torch.cuda.memory._snapshot's dict) with 8 frames per stack, then
+    the later half of its events only, until it packs under FILE_LIMIT."""
+    import pickle
+
+    snapshot = pickle.loads(data)
+    frames = lambda x: isinstance(x, dict) and "frames" in x  # noqa: E731
+    for trace in snapshot.get("device_traces", []):
+        for event in filter(frames, trace):
+            event["frames"] = event["frames"][:8]
+    for segment in snapshot.get("segments", []):
+        for block in filter(frames, segment.get("blocks", [])):
+            block["frames"] = block["frames"][:8]
+    while True:
+        packed = gzip.compress(pickle.dumps(snapshot), 6)
+        traces = snapshot.get("device_traces", [])
+        if len(packed) <= FILE_LIMIT or not any(len(t) > 1 for t in traces):
+            return packed
+        snapshot["device_traces"] = [t[len(t) // 2 :] for t in traces]
+
+
+# ---- f: tests/test_gpu.py
 
 # The tests that failed last time (2026-11-26, H200), and the one that says TF32 is off.
 FAILED_LAST = "channels_last or model_parallel_devices or fsdp_bf16_and_cpu_offload or equals_cpu"
 FAILED_LAST += " or without_tf32"
 
 
-def phase_tests(c):
+def tests_env(c):
+    """pytest's environment: on the CPU GPU_TESTS_ON_CPU=1; FRESH_PROCESSES=1 where the fork
+    server's children cannot use CUDA (fork_probe)."""
     env = c.env({"GPU_TESTS_ON_CPU": "1"} if not c.cuda else {})
+    return env | ({"FRESH_PROCESSES": "1"} if c.fork_ok is False else {})
+
+
+def phase_tests(c):
+    fork = fork_probe(c)  # phase a's, or now
+    env = tests_env(c)
     pytest = [PY, "-m", "pytest", "tests/test_gpu.py", "-v", "-p", "no:cacheprovider"]
     first = c.args.tests or FAILED_LAST
     runs = [c.run("targeted", [*pytest, "-k", first], 240, env, start_fresh)]
-    if not c.args.tests:  # the rest, with the time left
-        runs.append(c.run("rest", [*pytest, "-x", "-k", f"not ({first})"], 600, env, start_fresh))
+    if not c.args.tests:  # the rest, with the time left; 3 failures say enough
+        rest = [*pytest, "--maxfail=3", "-k", f"not ({first})"]
+        runs.append(c.run("rest", rest, 600, env, start_fresh))
     with open(c.out / "pytest.log", "w") as log:
         for run in runs:
             log.write(f"$ {show(run.cmd)}\n{run.status}\n{run.stdout[-2_000_000:]}\n")
             log.write(f"{run.stderr[-200_000:]}\n{run.stacks}\n\n")
-    figures, key = {}, []
+    figures, key = dict(fork_server=fork), [f"fork server {fork.split(' (')[0]}"]
     for run in runs:
         name = run.extra["name"]
         counts = {}
@@ -732,10 +1125,11 @@ def phase_tests(c):
     lines = [f"- {r.extra['name']}: `{show(r.cmd)}`" for r in runs]
     for run in runs:
         lines += [f"  - failed: {t}" for t in figures[run.extra["name"]]["failed_tests"]]
-    return phase_status(runs), figures, "; ".join(key), lines, runs
+    return phase_status(runs), figures, "; ".join(key), lines, [*c.fork_runs, *runs]
 
 
-PHASE_FUNCTIONS = dict(a=phase_versions, b=phase_probes, c=phase_fsdp, d=phase_step, e=phase_tests)
+PHASE_FUNCTIONS = dict(a=phase_versions, b=phase_resnet, c=phase_gpt, d=phase_probes)
+PHASE_FUNCTIONS.update(e=phase_fsdp, f=phase_tests)
 
 
 # ----------------------------------------------------------------------------------------
@@ -746,13 +1140,14 @@ def get_args(argv=None):
     add = p.add_argument
     add("--out", default=os.environ.get("OUT"), help="folder for the files (default: $OUT)")
     add("--cpu", action="store_true", help="dry mode: every phase small, on the CPU")
-    add("--phases", default="abcde", help="which phases to run, e.g. 'ab'")
-    add("--deadline", type=float, default=420, help="seconds for the whole check")
+    add("--phases", default="".join(PHASES), help="which phases to run, e.g. 'abcd'")
+    add("--deadline", type=float, default=450, help="seconds for the whole check")
     bounds = ", ".join(f"{k}={v[1]}" for k, v in PHASES.items())
     add("--phase-timeout", action="append", default=[], metavar="P=S", help=f"({bounds})")
-    add("--modes", default="on,off,repeat,det", help=f"phase b's modes, of {','.join(MODES)}")
-    add("--parallel", type=int, help="phase b's runs at a time (default: 6 on a GPU, 2 on CPU)")
-    add("--tests", help="phase e: this pytest -k expression only (default: the last failures)")
+    add("--modes", default="on,off,repeat,det", help=f"phase d's modes, of {','.join(MODES)}")
+    add("--parallel", type=int, help="phase d's runs at a time (default: 8 on a GPU, 2 on CPU)")
+    add("--tests", help="phase f: this pytest -k expression only (default: the last failures)")
+    add("--gpu-epochs", type=int, default=15, help="phase b's epochs (results.md's command: 15)")
     add("--gz-dir", default=".gpudata", help="folder holding Fashion-MNIST's four .gz files")
     add("--data-dir", default="data", help="torchvision root to unpack Fashion-MNIST into")
     add("--work-dir", help="where the runs write (default: a temporary folder, removed)")
@@ -765,13 +1160,15 @@ def get_args(argv=None):
     if args.fork_server is None:
         args.fork_server = args.cpu
     if args.parallel is None:
-        args.parallel = 2 if args.cpu else 6
+        args.parallel = 2 if args.cpu else 8
     args.bounds = {k: v[1] for k, v in PHASES.items()}
     for item in args.phase_timeout:
         phase, _, seconds = item.partition("=")
         if phase not in PHASES or not seconds:
             p.error(f"--phase-timeout {item}: expected P=SECONDS, P one of {''.join(PHASES)}")
         args.bounds[phase] = float(seconds)
+    if set(args.phases) - set(PHASES):
+        p.error(f"--phases {args.phases}: letters of {''.join(PHASES)}")
     if set(args.modes.split(",")) - set(MODES):
         p.error(f"--modes: of {','.join(MODES)}")
     return args
@@ -828,6 +1225,12 @@ def write_files(c, summary, results, details):
     head = [f"# GPU check, {results['started']}", ""]
     head += markdown([["phase", "status", "seconds", "key figures"], *summary]) + [""]
     (c.out / "summary.md").write_text("\n".join(head + details) + "\n")
+    files = sorted(c.work.glob("*/metrics.jsonl"))
+    if files:  # every run's metrics.jsonl, as RUN/metrics.jsonl
+        with tarfile.open(c.out / "metrics.tar.gz.part", "w:gz") as tar:
+            for file in files:
+                tar.add(file, arcname=str(file.relative_to(c.work)))
+        (c.out / "metrics.tar.gz.part").rename(c.out / "metrics.tar.gz")
 
 
 if __name__ == "__main__":
