@@ -105,7 +105,7 @@ def check_layout(args, world):
         fail(f"--tp {tp} must divide the {args.heads} heads")
     if args.depth % pp:
         fail(f"--pp {pp} stages must divide the {args.depth} blocks (--depth)")
-    if args.seq_len % (2 * cp):
+    if cp > 1 and args.seq_len % (2 * cp):
         fail(
             f"--cp {cp} cuts each sequence into {2 * cp} chunks; --seq-len {args.seq_len} "
             "does not divide evenly"
@@ -264,6 +264,7 @@ def train(args, info):
     initial = initial_state(build, args.seed)  # rank 0: the whole model; None elsewhere
     parallelize(model, mesh, layout, tokens, args.amp)
     model.to_empty(device=device)
+    # Not strict: rank 0's whole model holds every stage's names, each stage takes its own.
     fill = dict(full_state_dict=True, broadcast_from_rank0=info.distributed, strict=False)
     set_model_state_dict(model, initial or {}, options=StateDictOptions(**fill))
     del initial
@@ -291,7 +292,8 @@ def train(args, info):
             loss.backward()  # FSDP: each gradient averaged over the dp x cp processes
             return loss.detach()
         losses = []  # the first stage feeds the tokens, the last takes the labels
-        schedule.step(*[inputs][: int(first)], target=labels if last else None, losses=losses)
+        with autocast():
+            schedule.step(*[inputs][: int(first)], target=labels if last else None, losses=losses)
         return torch.stack(losses).mean().detach() if last else None
 
     out = sharded_output(args.output_dir)  # every rank writes there: every rank checks

@@ -73,23 +73,40 @@ def assert_same_weights(a, b):
         assert torch.equal(a[key], b[key]), key  # bit for bit
 
 
+@pytest.fixture(scope="module")
+def one(tmp_path_factory, small_text):
+    """One process: the reference."""
+    reports = tmp_path_factory.mktemp("one")
+    probe(1, reports, small_text, ["1,1,1,1"])
+    ref = report(reports, "1,1,1,1")
+    assert len(ref["grads"]) == len(ref["losses"]) == STEPS
+    return ref
+
+
 @pytest.mark.slow
-def test_every_layout_takes_the_steps_of_one_process(tmp_path, small_text):
+def test_every_layout_takes_the_steps_of_one_process(tmp_path, small_text, one):
     """8 processes, every layout in turn, against one process; then 2 x 2 x 2 -> 1 x 4 x 2 ->
     one process through the checkpoints, every weight loaded as it was saved."""
     specs = [",".join(map(str, layout)) for layout in LAYOUTS]
     probe(8, tmp_path / "eight", small_text, [*specs, SAVE, RESUME])
-    shutil.copytree(tmp_path / "eight" / "out", tmp_path / "one" / "out")  # 8 -> 1 process
-    probe(1, tmp_path / "one", small_text, ["1,1,1,1", "1,1,1,1,3"])
-    ref = report(tmp_path / "one", "1,1,1,1")
-    assert len(ref["grads"]) == len(ref["losses"]) == STEPS
-    worst = {spec: assert_same_steps(report(tmp_path / "eight", spec), ref) for spec in specs}
+    worst = {spec: assert_same_steps(report(tmp_path / "eight", spec), one) for spec in specs}
     print("worst gradient difference / norm:", worst)
     saved, resumed = report(tmp_path / "eight", SAVE), report(tmp_path / "eight", RESUME)
     assert len(saved["grads"]) == 2 and len(resumed["grads"]) == 1
     assert_same_weights(resumed["loaded"], saved["saved"])  # 2 x 2 x 2 -> 1 x 4 x 2
-    assert_same_steps(resumed, ref, first=2)
+    assert_same_steps(resumed, one, first=2)
+    shutil.copytree(tmp_path / "eight" / "out", tmp_path / "one" / "out")  # 8 -> 1 process
+    probe(1, tmp_path / "one", small_text, ["1,1,1,1,3"])  # loads, nothing left to train
     assert_same_weights(report(tmp_path / "one", "1,1,1,1,3")["loaded"], resumed["saved"])
+
+
+@pytest.mark.slow
+def test_four_processes_take_the_steps_of_one_process(tmp_path, small_text, one):
+    """pp 2 x tp 2 and dp 2 x cp 2."""
+    specs = ["2,1,1,2", "1,2,2,1"]
+    probe(4, tmp_path, small_text, specs)
+    for spec in specs:
+        assert_same_steps(report(tmp_path, spec), one)
 
 
 @pytest.mark.parametrize(
