@@ -207,15 +207,13 @@ def reading(path):
 class TrainState(Stateful):
     """The model and its optimizer as torch.distributed.checkpoint saves and loads them: each
     rank's own pieces (get_state_dict), and after a load, whatever the layout that saved them,
-    the parts that make up this rank's pieces put in place (set_state_dict). `options`:
-    get_state_dict's (nd_parallel.py's pipeline stages: the optimizer's state flattened, per
-    parameter name)."""
+    the parts that make up this rank's pieces put in place (set_state_dict)."""
 
-    def __init__(self, model, optimizer, options=None):
-        self.model, self.optimizer, self.options = model, optimizer, options
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
 
     def state_dict(self):
-        model, optimizer = get_state_dict(self.model, self.optimizer, options=self.options)
+        model, optimizer = get_state_dict(self.model, self.optimizer)
         return dict(model=model, optimizer=optimizer)
 
     def load_state_dict(self, state):
@@ -224,7 +222,7 @@ class TrainState(Stateful):
         groups = self.optimizer.param_groups
         own = [{k: v for k, v in group.items() if k != "params"} for group in groups]
         pieces = dict(model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        set_state_dict(self.model, self.optimizer, **pieces, options=self.options)
+        set_state_dict(self.model, self.optimizer, **pieces)
         for group, settings in zip(self.optimizer.param_groups, own, strict=True):
             group.update(settings)
 

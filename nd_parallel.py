@@ -310,10 +310,9 @@ def train(args, info):
 
     # Resume, as in fsdp_train.py: rank 0 finds and checks the checkpoint against the whole
     # model; every rank reads the parts of the saved pieces that make up its own, at any
-    # layout (all ranks participate). The optimizer's state is saved per parameter name
-    # (flattened): each stage's holds only its own parameters' groups.
-    options = StateDictOptions(flatten_optimizer_state_dict=True)
-    state = dict(train=TrainState(model, optimizer, options))
+    # layout (all ranks participate): each stage's pieces, and its moments, under the whole
+    # model's names (blocks.5.mlp.fc1.weight), whatever the stage that saved them.
+    state = dict(train=TrainState(model, optimizer))
     resume, meta = find_checkpoint(args, whole)
     if resume:
         with reading(resume):

@@ -10,6 +10,8 @@ import pytest
 import torch
 from conftest import DIST_TIMEOUT, one_line_errors, run_python, text_flags, torchrun_workers
 
+import models
+
 SEQ, GLOBAL_BATCH, STEPS = 16, 8, 3
 TINY = ["--dim", "32", "--heads", "4", "--depth", "4", "--max-steps", STEPS, *DIST_TIMEOUT]
 # AdamW steps at a rate whose rounding stays within the tolerances, with clipping at work.
@@ -48,8 +50,8 @@ def report(reports, spec):
 def assert_same_steps(got, ref, first=0):
     """Steps first+1.. of `got` against the reference's: the loss (the mean over every rank,
     as logged), every gradient within 1e-4 of its norm (a floor of a millionth of the whole
-    gradient's norm, for the nearly zero ones), the test loss within 1e-4 relative. Returns
-    the worst gradient difference, relative to its norm."""
+    gradient's norm, for the nearly zero ones), the test loss within 1e-4 relative, the final
+    weights. Returns the worst gradient difference, relative to its norm."""
     worst = 0.0
     if first == 0:
         assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5)
@@ -64,7 +66,19 @@ def assert_same_steps(got, ref, first=0):
             worst = max(worst, (difference / r.norm()).item())
     test_loss, ref_loss = got["records"][-1]["test_loss"], ref["records"][-1]["test_loss"]
     assert test_loss == pytest.approx(ref_loss, rel=1e-4)
+    # The weights saved at the end: AdamW's steps (from its resumed moments, if resumed)
+    # moved every tensor, and the same way, well within its update.
+    start = initial()
+    for key, b in ref["saved"].items():
+        update = (b - start[key]).norm()
+        assert update > 1e-3, key
+        assert (got["saved"][key] - b).norm() < 1e-3 * update, key
     return worst
+
+
+def initial():
+    models.seed_everything(0)  # what nd_parallel.py builds first, on rank 0
+    return models.GPT(256, SEQ, 32, depth=4, heads=4).state_dict()
 
 
 def assert_same_weights(a, b):
