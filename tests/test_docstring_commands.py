@@ -89,11 +89,12 @@ def smallest(script, argv, images):
         out.append(flag)
         i += 1
     # A named image data set becomes the synthetic one; text, a small corpus (the GPT's data:
-    # context_parallel.py's default, or --data text).
+    # context_parallel.py's and nd_parallel.py's default, or --data text).
     out = ["synthetic" if f in ("fashion-mnist", "mnist", "cifar10") else f for f in out]
     given = set(out)
     extra = [(f, v) for f, v in SMALL.items() if f not in given and takes(f)]
-    text = "text" in given or (script == "context_parallel.py" and "vit" not in given)
+    on_text = ("context_parallel.py", "nd_parallel.py")  # text by default
+    text = "text" in given or (script in on_text and "vit" not in given)
     if text:
         corpus = Path(images).parent / "corpus.txt"
         if not corpus.exists():  # 16,000 bytes of UTF-8 text
