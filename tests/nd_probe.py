@@ -10,7 +10,8 @@ from the one before it). Per step:
 the mean training loss over all ranks (log_loss's, --log-every 1), and the whole gradient of
 each parameter this rank's stage holds, by name, as the optimizer is about to step (gathered
 from its pieces: all ranks participate); per epoch its record (test_loss); the whole model's
-weights (rank 0) after each checkpoint written and read.
+weights (rank 0) after each checkpoint written and read; the elements of the parameters (the
+pieces) this rank holds.
 """
 
 import os
@@ -38,6 +39,8 @@ def whole(t):
 def param_groups(stage, weight_decay):
     model["stage"] = stage
     model["names"] = {id(p): name for name, p in stage.named_parameters()}
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in stage.parameters()]
+    seen["held"] = sum(p.numel() for p in local)  # this rank's parameters' elements
     return real["param_groups"](stage, weight_decay)
 
 

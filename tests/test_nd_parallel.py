@@ -104,6 +104,11 @@ def test_every_layout_takes_the_steps_of_one_process(tmp_path, small_text, one):
     specs = [",".join(map(str, layout)) for layout in LAYOUTS]
     probe(8, tmp_path / "eight", small_text, [*specs, SAVE, RESUME])
     worst = {spec: assert_same_steps(report(tmp_path / "eight", spec), one) for spec in specs}
+    whole = sum(t.numel() for t in initial().values())
+    held = {spec: report(tmp_path / "eight", spec)["held"] / whole for spec in specs}
+    print("rank 0's share of the parameters:", held)
+    for spec in specs:  # built on the meta device and cut: rank 0 holds pieces, never all
+        assert held[spec] < 0.5, spec
     print("worst gradient difference / norm:", worst)
     saved, resumed = report(tmp_path / "eight", SAVE), report(tmp_path / "eight", RESUME)
     assert len(saved["grads"]) == 2 and len(resumed["grads"]) == 1
