@@ -89,7 +89,7 @@ def get_args(argv=None):
     add("--micro-batches", type=int, help="per step through the pipeline (default: --pp)")
     add("--batch-size", type=int, help="sequences per data-parallel row per step (default 8)")
     args = p.parse_args(argv)
-    return sharded_args(args, ("pp", "cp", "tp", "micro_batches"), positive=(), batch=(8, 8))
+    return sharded_args(args, ("pp", "dp", "cp", "tp", "micro_batches"), batch=(8, 8))
 
 
 def check_layout(args, world):
