@@ -4,7 +4,8 @@ A reader copies these commands first; one that stops ("folder runs/q does not ex
 first thing they see. Each script's commands run in their order, in one fresh folder (so
 `runs/ddp/checkpoint.pt` is the one the command before wrote), as real processes on the CPU:
 synthetic data, one epoch of two steps where the script takes those flags, every torchrun
-command on one node with 2 processes (4 where --dp or --replicate asks for 2 groups of 2),
+command on one node with 2 processes (4 where --dp or --replicate asks for 2 groups of 2;
+nd_parallel.py's with all the processes it names, its mesh's),
 `cuda:N` devices as the CPU, DIR as a small folder of images. A file a command reads that no
 command before it writes (an earlier run's checkpoint.pt or model.pt) is made first by the
 same script's smallest run.
@@ -58,6 +59,8 @@ def docstring_commands(script):
                 "1",
             )
             nproc = 2 * int(groups)
+            if words[at] == "nd_parallel.py":  # its mesh is the processes it names, all
+                nproc = int(options["--nproc_per_node"]) * int(options.get("--nnodes", 1))
             kept = [w for w in words[1:at] if not w.startswith(TORCHRUN_DROP)]
             assert options.get("--nproc_per_node"), line
             yield words[at], [*kept, "|", *words[at + 1 :]], nproc
@@ -86,11 +89,12 @@ def smallest(script, argv, images):
         out.append(flag)
         i += 1
     # A named image data set becomes the synthetic one; text, a small corpus (the GPT's data:
-    # context_parallel.py's default, or --data text).
+    # context_parallel.py's and nd_parallel.py's default, or --data text).
     out = ["synthetic" if f in ("fashion-mnist", "mnist", "cifar10") else f for f in out]
     given = set(out)
     extra = [(f, v) for f, v in SMALL.items() if f not in given and takes(f)]
-    text = "text" in given or (script == "context_parallel.py" and "vit" not in given)
+    on_text = ("context_parallel.py", "nd_parallel.py")  # text by default
+    text = "text" in given or (script in on_text and "vit" not in given)
     if text:
         corpus = Path(images).parent / "corpus.txt"
         if not corpus.exists():  # 16,000 bytes of UTF-8 text

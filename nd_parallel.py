@@ -1,0 +1,440 @@
+"""N-D parallelism: the GPT trained on one device mesh of pipeline x data x context x tensor
+parallel processes (--pp x --dp x --cp x --tp = the processes; any may be 1), as one process.
+
+In the order the anchors compose them (torchtitan's parallelize_llama, picotron): the blocks
+cut into --pp pipeline stages (each process holds depth/pp blocks, under the whole model's
+names), each block's linear layers split over --tp processes (Megatron's columns and rows),
+each sequence's tokens over --cp processes (zigzag chunks; K and V all-gathered with their
+positions), and FSDP over dp x cp together (the same weights on every process of both);
+a schedule (1F1B or GPipe) runs micro-batches through the stages. Which layout when: README.
+
+    8 processes, --pp 2 --dp 2 --tp 2:  stage 0 [[0, 1], [2, 3]]  stage 1 [[4, 5], [6, 7]]
+                                        (rows: dp; in a row, a tensor-parallel pair)
+
+Launch (--output-dir: one directory for all processes, on several nodes a shared one):
+    python nd_parallel.py                                          # one process: the reference
+    torchrun --standalone --nproc_per_node=8 nd_parallel.py --pp 2 --dp 2 --tp 2
+    torchrun --standalone --nproc_per_node=8 nd_parallel.py --dp 2 --cp 2 --tp 2
+    torchrun --nnodes=2 --nproc_per_node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+        --rdzv-id=myjob nd_parallel.py --pp 2 --tp 4 --heads 4   # a stage per node, TP in it
+
+Every process writes its pieces of a checkpoint (torch.distributed.checkpoint) each epoch; a
+rerun resumes at any other layout and number of processes. OUTPUT_DIR/model.pt: the whole
+model. --batch-size is per data-parallel row; --lr the peak AdamW rate per 256 sequences.
+"""
+
+import functools
+import itertools
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from checkpoint import (
+    TrainState,
+    atomic_write,
+    find_checkpoint,
+    initial_state,
+    publish_sharded,
+    reading,
+    resume_step,
+    sharded_meta,
+    sharded_output,
+    trim_metrics,
+)
+from common import (
+    cleanup,
+    fail,
+    init_distributed_mode,
+    peer_failure,
+    print0,
+    reduce_value,
+    require_torch,
+    together,
+)
+from data import load_datasets, pad_batches, shard_loaders
+from models import GPT, generate, keep_stage, param_groups
+from profiling import Profiler, flop_rates, step_flops
+from training import end_epoch, log_loss, sharded_args, sharded_parser, warmup_cosine
+
+# The autograd all-gather (all_gather_tensor_autograd in PyTorch 2.9, deprecated later): its
+# backward reduce-scatters the gradients. (torch.distributed.nn's gave wrong ones on gloo.)
+all_gather = getattr(funcol, "all_gather_single_autograd", funcol.all_gather_tensor_autograd)
+SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+
+
+def get_args(argv=None):
+    p = sharded_parser(__doc__)  # --data, --epochs, --lr, ..., --dist-timeout: training.py's
+    p.set_defaults(data="text")
+    add = p.add_argument
+    add("--model", default="gpt", choices=["gpt"], help="the GPT of models.py, on text")
+    add("--pp", type=int, default=1, help="pipeline stages (each depth/pp blocks)")
+    add("--dp", type=int, help="data-parallel degree (default: what the others leave)")
+    add("--cp", type=int, default=1, help="context-parallel degree (tokens of each sequence)")
+    add("--tp", type=int, default=1, help="tensor-parallel degree (heads of each block)")
+    add("--schedule", default="1f1b", choices=sorted(SCHEDULES), help="the pipeline's order")
+    add("--micro-batches", type=int, help="per step through the pipeline (default: --pp)")
+    add("--batch-size", type=int, help="sequences per data-parallel row per step (default 8)")
+    args = p.parse_args(argv)
+    return sharded_args(args, ("pp", "dp", "cp", "tp", "micro_batches"), batch=(8, 8))
+
+
+def check_layout(args, world):
+    """The mesh's shape, or one line on every rank (each checks the same flags)."""
+    pp, cp, tp = args.pp, args.cp, args.tp
+    dp = args.dp or max(1, world // (pp * cp * tp))
+    if pp * dp * cp * tp != world:
+        fail(
+            f"--pp {pp} x --dp {dp} x --cp {cp} x --tp {tp} is {pp * dp * cp * tp} processes; "
+            f"{world} started"
+        )
+    if args.heads % tp:  # then the widths (a multiple of the heads) split evenly too
+        fail(f"--tp {tp} must divide the {args.heads} heads")
+    if args.depth % pp:
+        fail(f"--pp {pp} stages must divide the {args.depth} blocks (--depth)")
+    if cp > 1 and args.seq_len % (2 * cp):
+        fail(
+            f"--cp {cp} cuts each sequence into {2 * cp} chunks; --seq-len {args.seq_len} "
+            "does not divide evenly"
+        )
+    micro = args.micro_batches or pp
+    if args.batch_size % micro:
+        fail(f"--micro-batches {micro} does not divide --batch-size {args.batch_size}")
+    if pp > 1 and args.schedule == "1f1b" and micro < pp:
+        fail(f"1f1b needs --micro-batches >= stages ({pp}); got {micro} (or --schedule gpipe)")
+    return pp, dp, cp, tp, micro
+
+
+# Context parallelism, zigzag (Megatron-Core's load balancing): each sequence cut into 2 CP
+# chunks, process r holding chunks r and 2 CP - 1 - r, one early and one late, so that under
+# the causal mask every process has the same attention work. (The ring that passes K and V
+# round while computing is context_parallel.py's lesson; here they are all-gathered.)
+def zigzag(tokens, cp, r):
+    n = tokens // (2 * cp)
+    return [(r * n, (r + 1) * n), ((2 * cp - 1 - r) * n, (2 * cp - r) * n)]
+
+
+def own(x, chunks, dim):  # this process's tokens of x along dim, chunk after chunk
+    return torch.cat([x.narrow(dim, start, end - start) for start, end in chunks], dim)
+
+
+def gathered_attention(q, k, v, group, tokens, cp):
+    """Causal attention of this process's queries over every process's keys and values: K and
+    V all-gathered (their gradients reduce-scattered back in backward), masked by each token's
+    true position: a query sees the keys at or before its own."""
+    kv = all_gather(torch.stack([k, v]).contiguous(), gather_dim=3, group=group)
+    place = torch.arange(tokens, device=q.device)
+    keys = torch.cat([own(place, zigzag(tokens, cp, r), 0) for r in range(cp)])  # rank order
+    mine = own(place, zigzag(tokens, cp, dist.get_rank(group)), 0)
+    return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=keys <= mine[:, None])
+
+
+class StageGPT(GPT):
+    """models.py's GPT, holding this process's tokens (`mine`) at their true positions."""
+
+    def __init__(self, seq_len, dim, depth, heads, mine):
+        super().__init__(256, seq_len, dim, depth, heads)
+        self.mine = mine
+
+    def forward(self, x):  # GPT.forward, the positions this process's own
+        if self.embed is not None:  # the first stage
+            x = self.embed(x) + own(self.pos, self.mine, 1)
+        for block in filter(None, self.blocks):  # the blocks this stage holds
+            x = block(x)
+        return x if self.head is None else self.head(self.norm(x))
+
+
+def parallelize(model, mesh, layout, tokens, amp):
+    """Tensor, context, then data parallelism on one pipeline stage (in place)."""
+    pp, dp, cp, tp, _ = layout
+    blocks = list(filter(None, model.blocks))
+    if tp > 1:
+        # Megatron's cut: q, k, v and fc1 by output features (each process whole heads, whole
+        # MLP features), proj and fc2 by input features, their partial sums added by one
+        # all-reduce per pair (tensor_parallel.py tells it at length).
+        plan = {name: ColwiseParallel() for name in ("attn.q", "attn.k", "attn.v", "mlp.fc1")}
+        plan |= {"attn.proj": RowwiseParallel(), "mlp.fc2": RowwiseParallel()}
+        for block in blocks:
+            parallelize_module(block, mesh["tp"], plan)
+    if cp > 1:  # per token but for attention: the blocks' attention sees every token
+        group = mesh["cp"].get_group()
+        for block in blocks:
+            block.attn.attend = functools.partial(
+                gathered_attention, group=group, tokens=tokens, cp=cp
+            )
+    if dp * cp > 1:
+        # FSDP over dp x cp flattened: every process of a stage's dp x cp grid holds the same
+        # weights (context parallelism splits tokens, not weights), so the gradients are
+        # averaged over all of them (as torchtitan does): each rank's loss, the mean over its
+        # own tokens, averaged over dp x cp, is the mean over the global batch. Each block,
+        # then the stage's root, as in fsdp_train.py; after TP, each TP piece sharded again.
+        mp = MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.float32)
+        policy = mp if amp == "bf16" else MixedPrecisionPolicy()
+        for block in blocks:
+            fully_shard(block, mesh=mesh["dp_cp"], mp_policy=policy)
+        fully_shard(model, mesh=mesh["dp_cp"], mp_policy=policy)
+
+
+def clip_grad_norm(params, max_norm, pp_group):
+    """Scale the gradients to a norm of at most max_norm over the whole model: DTensors' squares
+    summed over the processes that hold their pieces (per device mesh: FSDP's, TP's, both),
+    plain tensors' as they are, then the stages' sums added over the pipeline (all ranks)."""
+    grads, squares = [p.grad for p in params if p.grad is not None], {}
+    for g in grads:
+        key = g.device_mesh if isinstance(g, DTensor) else None
+        squares[key] = squares.get(key, 0) + g.float().square().sum()
+    total = sum(
+        (s.full_tensor() if isinstance(s, DTensor) else s for s in squares.values()),
+        torch.zeros((), device=grads[0].device),
+    )
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)  # each stage's share of the whole norm
+    scale = (max_norm / (total.sqrt() + 1e-6)).clamp(max=1)
+    for g in grads:
+        g.mul_(scale)
+    return total.sqrt()
+
+
+def whole_state(model, pp_group):
+    """The whole model's state_dict in rank 0's CPU memory (None elsewhere): each stage's
+    gathered from its pieces (all ranks participate), the stages' joined over the pipeline."""
+    options = StateDictOptions(full_state_dict=True)
+    stage = {k: v.cpu() for k, v in get_model_state_dict(model, options=options).items()}
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if pp_group is None:
+        return stage if rank0 else None
+    parts = [None] * dist.get_world_size(pp_group) if rank0 else None
+    if dist.get_global_rank(pp_group, 0) == 0:  # the pipeline of rank 0 (the others: none)
+        dist.gather_object(stage, parts, dst=0, group=pp_group)
+    return {k: v for part in parts for k, v in part.items()} if rank0 else None
+
+
+def train(args, info):
+    device, rank, world = info.device, info.rank, info.world_size
+    layout = pp, dp, cp, tp, micro = check_layout(args, world)
+    # The mesh, outermost dimension first: consecutive ranks (one node's) share a tensor-
+    # parallel group, whose collectives run in every block; the pipeline's stages, which only
+    # pass activations on, are the furthest apart (across nodes).
+    mesh = None
+    if info.distributed:
+        names = ("pp", "dp", "cp", "tp")
+        mesh = init_device_mesh(device.type, (pp, dp, cp, tp), mesh_dim_names=names)
+        mesh["dp", "cp"]._flatten("dp_cp")  # FSDP's dimension: both, as one
+    stage, dp_rank, cp_rank, _ = mesh.get_coordinate() if mesh else (0, 0, 0, 0)
+    first, last = stage == 0, stage == pp - 1
+    pp_group = mesh["pp"].get_group() if pp > 1 else None
+
+    # Data: the processes of a data-parallel row (all its stages, cp and tp ranks) share each
+    # batch; the dp rows take disjoint 1/dp of the global batch.
+    train_set, test_set, _, _ = load_datasets(
+        args.data, args.data_dir, args.download, None, info.local_rank, args.seq_len
+    )
+    sampler, train_loader, test_loader = shard_loaders(
+        train_set, test_set, args, dp, dp_rank, device
+    )
+    steps_per_epoch, global_batch = len(train_loader), args.batch_size * dp
+    total_steps, tokens = args.epochs * steps_per_epoch, args.seq_len
+    mine = zigzag(tokens, cp, cp_rank) if cp > 1 else [(0, tokens)]
+
+    def split(inputs, labels):  # this process's tokens of each sequence, and their labels
+        return own(inputs, mine, 1), own(labels, mine, 1)
+
+    # Built on no device whole, as in fsdp_train.py: the shapes on the meta device, cut to this
+    # process's stage (the blocks it does not hold None: the whole model's names stay, so a
+    # checkpoint loads at any other cut), parallelized, then memory for its own pieces only,
+    # filled by broadcast from rank 0's seeded CPU copy (each rank keeps the names it holds).
+    build = functools.partial(StageGPT, tokens, args.dim, args.depth, args.heads, mine)
+    per_stage = args.depth // pp
+    with torch.device("meta"):
+        whole = build()  # names and shapes, for the checkpoints' meta.pt
+        model = keep_stage(build(), stage * per_stage, (stage + 1) * per_stage)
+    initial = initial_state(build, args.seed)  # rank 0: the whole model; None elsewhere
+    parallelize(model, mesh, layout, tokens, args.amp)
+    model.to_empty(device=device)
+    # Not strict: rank 0's whole model holds every stage's names, each stage takes its own.
+    fill = dict(full_state_dict=True, broadcast_from_rank0=info.distributed, strict=False)
+    set_model_state_dict(model, initial or {}, options=StateDictOptions(**fill))
+    del initial
+    dtype = torch.bfloat16 if args.amp == "bf16" else None  # the compute's (MFU's peak)
+    use_autocast = args.amp == "bf16" and dp * cp == 1  # without FSDP, autocast gives bf16
+    autocast = functools.partial(torch.autocast, device.type, dtype, use_autocast)
+
+    def loss_of(logits, labels):  # the mean over this process's tokens
+        return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+
+    if pp > 1:
+        # The schedule cuts each batch into micro-batches, runs them through the stages in
+        # its order (1F1B: a backward as soon as one can, so at most pp micro-batches'
+        # activations are held), takes each one's mean loss on the last stage and divides the
+        # summed gradients by their number: the mean over the batch.
+        pipe = PipelineStage(model, stage, pp, device, group=pp_group)
+        schedule = SCHEDULES[args.schedule](pipe, micro, loss_fn=loss_of)
+
+    def forward_backward(inputs, labels):
+        """The gradients of this step in every parameter's .grad; the mean loss of this
+        process's tokens (None on stages before the last)."""
+        if pp == 1:
+            with autocast():
+                loss = loss_of(model(inputs), labels)
+            loss.backward()  # FSDP: each gradient averaged over the dp x cp processes
+            return loss.detach()
+        losses = []  # the first stage feeds the tokens, the last takes the labels
+        with autocast():
+            schedule.step(*[inputs][: int(first)], target=labels if last else None, losses=losses)
+        return torch.stack(losses).mean().detach() if last else None
+
+    out = sharded_output(args.output_dir)  # every rank writes there: every rank checks
+    profiler = Profiler(args.profile, rank, device)  # a trace of a few steps per rank
+    with torch.device("meta"):  # a step's FLOPs: the whole model on the global batch
+        flops = step_flops(
+            GPT(256, tokens, args.dim, args.depth, args.heads),
+            train_set[0][0].expand(global_batch, tokens),
+        )
+
+    # The optimizer, made after the cuts: it holds (and steps) this process's pieces only.
+    lr = args.lr * global_batch / 256
+    optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr)
+
+    # Resume, as in fsdp_train.py: rank 0 finds and checks the checkpoint against the whole
+    # model; every rank reads the parts of the saved pieces that make up its own, at any
+    # layout (all ranks participate): each stage's pieces, and its moments, under the whole
+    # model's names (blocks.5.mlp.fc1.weight), whatever the stage that saved them.
+    state = dict(train=TrainState(model, optimizer))
+    resume, meta = find_checkpoint(args, whole)
+    if resume:
+        with reading(resume):
+            dcp.load(state, checkpoint_id=resume)
+    step = resume_step(args, optimizer, meta, resume, (global_batch, steps_per_epoch), device)
+    scheduler = warmup_cosine(optimizer, args.warmup, total_steps, step)
+
+    @torch.no_grad()
+    def evaluate():
+        """Exact: every held-out token once, whatever the layout. Each batch goes through the
+        stages by hand (send and receive, no backward), the last stage sums the losses of its
+        tokens; a rank with fewer batches runs empty ones (FSDP's forward is collective). The
+        sums count each token tp times (and 0 times off the last stage): the ratios are exact."""
+        model.eval()
+        totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
+        for inputs, labels in pad_batches(test_loader, test_set[0], device):
+            inputs, labels = split(inputs.to(device), labels.to(device))
+            x = inputs
+            if not first:
+                x = torch.zeros(*inputs.shape, args.dim, device=device)
+                if len(x):
+                    dist.recv(x, dist.get_global_rank(pp_group, stage - 1), group=pp_group)
+            with autocast():
+                x = model(x)
+            if not last:
+                if len(x):
+                    dist.send(x.float(), dist.get_global_rank(pp_group, stage + 1), group=pp_group)
+                continue
+            totals[0] += F.cross_entropy(x.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+            totals[1] += (x.argmax(-1) == labels).sum()
+            totals[2] += labels.numel()
+        loss_sum, correct, count = reduce_value(totals).tolist()  # all ranks participate
+        return loss_sum / count, correct / count
+
+    if args.eval_only:
+        loss, acc = evaluate()
+        print0(f"eval {resume}: test_loss {loss:.4f} test_acc {acc:.4f}")
+        return
+
+    def save(step):  # all ranks participate
+        meta = sharded_meta(whole, step, steps_per_epoch, global_batch, args, device)
+        # Every rank writes its pieces; rank 0 then publishes them (see fsdp_train.py).
+        dcp.save(state, checkpoint_id=out / "checkpoint.tmp")
+        publish_sharded(out, meta)
+
+    start_epoch = step // steps_per_epoch
+    metrics = out / "metrics.jsonl" if out and rank == 0 else None
+    if metrics and not (args.max_steps and step >= args.max_steps):
+        trim_metrics(metrics, start_epoch)  # epochs that run again lose their old lines
+    size = f"global batch {global_batch}, peak lr {lr:.3g}, {steps_per_epoch} steps/epoch"
+    how = f"{pp} x {dp} x {cp} x {tp} (pp x dp x cp x tp), {args.schedule} x {micro}"
+    print0(f"gpt of {tokens} tokens: {how}, {device.type}, {size}")
+    if start_epoch >= args.epochs:
+        print0(f"{resume} already holds all {args.epochs} epochs: nothing to train")
+    for epoch in range(start_epoch, args.epochs):
+        if args.max_steps and step >= args.max_steps:
+            break
+        sampler.set_epoch(epoch)  # without it every epoch repeats epoch 0's order
+        epoch_step = step - epoch * steps_per_epoch
+        steps, done = steps_per_epoch - epoch_step, 0
+        loss_sum, count = torch.zeros(2, device=device, dtype=torch.float64)
+        model.train()
+        t0 = time.perf_counter()
+        # A mid-epoch resume skips the batches done: the order is a function of the epoch.
+        for inputs, labels in itertools.islice(train_loader, epoch_step, None):
+            inputs, labels = split(inputs.to(device), labels.to(device))
+            loss = forward_backward(inputs, labels)
+            if loss is not None:  # the last stage's
+                loss_sum += loss * labels.numel()
+                count += labels.numel()
+            if args.clip_grad > 0:  # the norm of the whole model: every stage's, every piece
+                clip_grad_norm(list(model.parameters()), args.clip_grad, pp_group)
+            optimizer.step()  # this process's pieces only
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            profiler.step()
+            step, done = step + 1, done + 1
+            last_step = done == steps or step == args.max_steps
+            if step % args.log_every == 0 or last_step:  # all ranks participate
+                train_loss = log_loss(loss_sum, count, epoch, step, scheduler.get_last_lr()[0])
+            if last_step:
+                break
+        seconds = time.perf_counter() - t0  # the loss all-reduce above synchronised
+
+        test_loss, test_acc = evaluate()
+        speed, lr_now = done * global_batch / seconds, scheduler.get_last_lr()[0]
+        record = dict(epoch=epoch, step=step, train_loss=train_loss, test_loss=test_loss)
+        record.update(test_acc=test_acc, epoch_seconds=seconds, samples_per_second=speed)
+        rates = flop_rates(flops * done, seconds, device, dtype, args.peak_tflops, world)
+        record.update(lr=lr_now, world_size=world, **rates)
+        end_epoch(metrics, record)  # printed; in metrics.jsonl before the checkpoint
+        if out:
+            save(step)  # all ranks participate
+
+    profiler.stop()
+    # The whole model in one file that loads into models.GPT (all ranks participate).
+    full = whole_state(model, pp_group)
+    paths = list(filter(None, [out and out / "model.pt", args.export]))
+    together(
+        lambda: [atomic_write(p, lambda tmp: torch.save(full, tmp)) for p in paths], run=rank == 0
+    )
+    if full is not None:  # rank 0: a sample of what the GPT learnt
+        print0("sample:", generate(GPT(256, tokens, args.dim, args.depth, args.heads), full))
+
+
+def main(argv=None):
+    args = get_args(argv)
+    require_torch("2.10", "nd_parallel.py")  # pipelining's shape inference on gloo: 2.10
+    # The process group: rank, world size and device from whichever launcher started us.
+    info = init_distributed_mode(
+        backend=args.backend, device=args.device, timeout_s=args.dist_timeout
+    )
+    try:
+        train(args, info)
+        if info.distributed:
+            dist.barrier()  # leave together (all ranks participate): rank 0 hosts the store
+    except RuntimeError as e:
+        # A peer that died or hung for --dist-timeout breaks the others' collectives.
+        raise peer_failure(e, info) from None
+    finally:
+        cleanup()  # also on an error: the peers are not left waiting on a dead group
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Run nd_parallel.py's train() at several layouts, one after another in the same processes
+(one process group: a launch of 8 costs more than the steps), with instruments, and write what
+each rank saw to REPORTS/LAYOUT/rank{RANK}.pt:
+
+    python ... tests/nd_probe.py REPORTS GLOBAL_BATCH PP,DP,CP,TP[,STEPS] ... -- ARGS
+
+Each layout trains STEPS steps (or ARGS' --max-steps) at --batch-size GLOBAL_BATCH / DP with
+--output-dir REPORTS/LAYOUT/out, or REPORTS/out for a layout with STEPS (so that it resumes
+from the one before it). Per step:
+the mean training loss over all ranks (log_loss's, --log-every 1), and the whole gradient of
+each parameter this rank's stage holds, by name, as the optimizer is about to step (gathered
+from its pieces: all ranks participate); per epoch its record (test_loss); the whole model's
+weights (rank 0) after each checkpoint written and read; the elements of the parameters (the
+pieces) this rank holds.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import nd_parallel as module  # noqa: E402
+
+reports, global_batch, *layouts = sys.argv[1 : sys.argv.index("--")]
+argv = sys.argv[sys.argv.index("--") + 1 :]
+seen = {}
+real = {name: getattr(module, name) for name in ("param_groups", "log_loss", "end_epoch")}
+real_adamw, real_save, real_load = torch.optim.AdamW, module.dcp.save, module.dcp.load
+model = {}  # the stage being trained, and its parameters' names
+
+
+def whole(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def param_groups(stage, weight_decay):
+    model["stage"] = stage
+    model["names"] = {id(p): name for name, p in stage.named_parameters()}
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in stage.parameters()]
+    seen["held"] = sum(p.numel() for p in local)  # this rank's parameters' elements
+    return real["param_groups"](stage, weight_decay)
+
+
+def adamw(groups, *args, **kwargs):
+    optimizer = real_adamw(groups, *args, **kwargs)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def before_step(optimizer, *_):
+        names = model["names"]
+        seen["grads"].append({names[id(p)]: whole(p.grad).clone() for p in params})
+
+    optimizer.register_step_pre_hook(before_step)
+    return optimizer
+
+
+def log_loss(*args):
+    seen["losses"].append(loss := real["log_loss"](*args))
+    return loss
+
+
+def end_epoch(metrics, record):
+    seen["records"].append(record)
+    return real["end_epoch"](metrics, record)
+
+
+def save(*args, **kwargs):
+    real_save(*args, **kwargs)
+    seen["saved"] = module.whole_state(model["stage"], model["pp_group"])
+
+
+def load(*args, **kwargs):
+    real_load(*args, **kwargs)
+    seen["grads"].clear()  # set_state_dict's step of zero gradients, to make AdamW's state
+    seen["loaded"] = module.whole_state(model["stage"], model["pp_group"])
+
+
+real_parallelize = module.parallelize
+
+
+def parallelize(stage, mesh, layout, *args):
+    model["pp_group"] = mesh["pp"].get_group() if layout[0] > 1 else None
+    return real_parallelize(stage, mesh, layout, *args)
+
+
+module.param_groups, module.log_loss, module.end_epoch = param_groups, log_loss, end_epoch
+module.parallelize = parallelize
+torch.optim.AdamW = adamw
+module.dcp = type(module.dcp)("dcp")
+module.dcp.save, module.dcp.load = save, load
+
+info = module.init_distributed_mode(device="cpu", timeout_s=120)
+try:
+    for spec in layouts:
+        pp, dp, cp, tp, *steps = spec.split(",")
+        seen.clear()
+        seen.update(losses=[], grads=[], records=[])
+        flags = ["--pp", pp, "--dp", dp, "--cp", cp, "--tp", tp, "--log-every", "1"]
+        flags += ["--batch-size", str(int(global_batch) // int(dp))]
+        folder = os.path.join(reports, spec)  # a layout with STEPS: the shared one
+        flags += ["--output-dir", os.path.join(reports if steps else folder, "out")]
+        flags += ["--max-steps", steps[0]] if steps else []
+        model["pp_group"] = None
+        module.train(module.get_args(argv + flags), info)
+        os.makedirs(folder, exist_ok=True)
+        torch.save(seen, os.path.join(folder, f"rank{info.rank}.pt"))
+        if info.distributed:
+            dist.barrier()
+finally:
+    module.cleanup()

@@ -1,0 +1,146 @@
+"""nd_parallel.py: every layout of pipeline x data x context x tensor parallelism takes one
+process's steps (the loss of each step, every gradient, the test loss), a checkpoint resumes
+bit for bit at another layout and number of processes, and a bad layout is one line on every
+rank. One launch of 8 Gloo processes builds every layout in turn (tests/nd_probe.py)."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DIST_TIMEOUT, one_line_errors, run_python, text_flags, torchrun_workers
+
+import models
+
+SEQ, GLOBAL_BATCH, STEPS = 16, 8, 3
+TINY = ["--dim", "32", "--heads", "4", "--depth", "4", "--max-steps", STEPS, *DIST_TIMEOUT]
+# AdamW steps at a rate whose rounding stays within the tolerances, with clipping at work.
+FAST = ["--warmup", "0", "--lr", "0.05", "--clip-grad", "0.05", *TINY]
+# pp, dp, cp, tp: at 8 processes every pp, cp, tp in {1, 2} with dp filling the rest, pp 4,
+# tp 4 and dp 4 x cp 2 (among the first); then 2 x 2 x 2 (pp, dp, tp) saves after 2 steps
+# and 1 x 4 x 2 (dp, cp) takes the third from its checkpoint.
+LAYOUTS = [(pp, 8 // (pp * cp * tp), cp, tp) for pp in (1, 2) for cp in (1, 2) for tp in (1, 2)] + [
+    (4, 2, 1, 1),
+    (1, 2, 1, 4),
+]
+SAVE, RESUME = "2,2,1,2,2", "1,4,2,1,3"
+
+
+def probe(nproc, reports, corpus, specs):
+    argv = ["tests/nd_probe.py", reports, GLOBAL_BATCH, *specs, "--"]
+    argv += [*text_flags(corpus, SEQ), *FAST]
+    if nproc == 1:
+        return run_python(argv, timeout=300)
+    return torchrun_workers(nproc, argv, timeout=600)
+
+
+def report(reports, spec):
+    """A layout's reports joined: the first rank of each pipeline stage (its whole gradients by
+    name, merged over the stages), rank 0's losses, records and weights."""
+    pp, dp, cp, tp = map(int, spec.split(",")[:4])
+    stages = [torch.load(Path(reports, spec, f"rank{s * dp * cp * tp}.pt")) for s in range(pp)]
+    merged = dict(stages[0])
+    merged["grads"] = [
+        {k: v for stage in stages for k, v in stage["grads"][i].items()}
+        for i in range(len(stages[0]["grads"]))
+    ]
+    return merged
+
+
+def assert_same_steps(got, ref, first=0):
+    """Steps first+1.. of `got` against the reference's: the loss (the mean over every rank,
+    as logged), every gradient within 1e-4 of its norm (a floor of a millionth of the whole
+    gradient's norm, for the nearly zero ones), the test loss within 1e-4 relative, the final
+    weights. Returns the worst gradient difference, relative to its norm."""
+    worst = 0.0
+    if first == 0:
+        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    for i, grads in enumerate(got["grads"]):
+        reference = ref["grads"][first + i]
+        assert grads.keys() == reference.keys()
+        floor = 1e-6 * torch.stack([r.norm() for r in reference.values()]).norm()
+        for name, r in reference.items():
+            assert r.norm() > 0, name  # the test can fail: every tensor has a gradient
+            difference = (grads[name] - r).norm()
+            assert difference <= 1e-4 * r.norm() + floor, (first + i, name)
+            worst = max(worst, (difference / r.norm()).item())
+    test_loss, ref_loss = got["records"][-1]["test_loss"], ref["records"][-1]["test_loss"]
+    assert test_loss == pytest.approx(ref_loss, rel=1e-4)
+    # The weights saved at the end: AdamW's steps (from its resumed moments, if resumed)
+    # moved every tensor, and the same way, well within its update.
+    start = initial()
+    for key, b in ref["saved"].items():
+        update = (b - start[key]).norm()
+        assert update > 1e-3, key
+        assert (got["saved"][key] - b).norm() < 1e-3 * update, key
+    return worst
+
+
+def initial():
+    models.seed_everything(0)  # what nd_parallel.py builds first, on rank 0
+    return models.GPT(256, SEQ, 32, depth=4, heads=4).state_dict()
+
+
+def assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key  # bit for bit
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory, small_text):
+    """One process: the reference."""
+    reports = tmp_path_factory.mktemp("one")
+    probe(1, reports, small_text, ["1,1,1,1"])
+    ref = report(reports, "1,1,1,1")
+    assert len(ref["grads"]) == len(ref["losses"]) == STEPS
+    return ref
+
+
+@pytest.mark.slow
+def test_every_layout_takes_the_steps_of_one_process(tmp_path, small_text, one):
+    """8 processes, every layout in turn, against one process; then 2 x 2 x 2 -> 1 x 4 x 2 ->
+    one process through the checkpoints, every weight loaded as it was saved."""
+    specs = [",".join(map(str, layout)) for layout in LAYOUTS]
+    probe(8, tmp_path / "eight", small_text, [*specs, SAVE, RESUME])
+    worst = {spec: assert_same_steps(report(tmp_path / "eight", spec), one) for spec in specs}
+    whole = sum(t.numel() for t in initial().values())
+    held = {spec: report(tmp_path / "eight", spec)["held"] / whole for spec in specs}
+    print("rank 0's share of the parameters:", held)
+    for spec in specs:  # built on the meta device and cut: rank 0 holds pieces, never all
+        assert held[spec] < 0.5, spec
+    for spec in specs:  # model.pt: the whole model, every stage's, as the checkpoint holds it
+        whole_file = torch.load(tmp_path / "eight" / spec / "out" / "model.pt")
+        assert_same_weights(whole_file, report(tmp_path / "eight", spec)["saved"])
+    print("worst gradient difference / norm:", worst)
+    saved, resumed = report(tmp_path / "eight", SAVE), report(tmp_path / "eight", RESUME)
+    assert len(saved["grads"]) == 2 and len(resumed["grads"]) == 1
+    assert_same_weights(resumed["loaded"], saved["saved"])  # 2 x 2 x 2 -> 1 x 4 x 2
+    assert_same_steps(resumed, one, first=2)
+    shutil.copytree(tmp_path / "eight" / "out", tmp_path / "one" / "out")  # 8 -> 1 process
+    probe(1, tmp_path / "one", small_text, ["1,1,1,1,3"])  # loads, nothing left to train
+    assert_same_weights(report(tmp_path / "one", "1,1,1,1,3")["loaded"], resumed["saved"])
+
+
+@pytest.mark.slow
+def test_four_processes_take_the_steps_of_one_process(tmp_path, small_text, one):
+    """pp 2 x tp 2 and dp 2 x cp 2."""
+    specs = ["2,1,1,2", "1,2,2,1"]
+    probe(4, tmp_path, small_text, specs)
+    for spec in specs:
+        assert_same_steps(report(tmp_path, spec), one)
+
+
+@pytest.mark.parametrize(
+    "flags, world, expected",
+    [
+        (["--pp", "2", "--tp", "2"], 3, "--pp 2 x --dp 1 x --cp 1 x --tp 2 is 4 processes; 3"),
+        (["--tp", "3"], 3, "--tp 3 must divide the 4 heads"),
+        (["--pp", "3"], 3, "--pp 3 stages must divide the 4 blocks (--depth)"),
+        (["--cp", "3", "--seq-len", "15"], 3, "--cp 3 cuts each sequence into 6 chunks"),
+    ],
+)
+def test_a_bad_layout_is_one_line_on_every_rank(small_text, flags, world, expected):
+    argv = [*text_flags(small_text, SEQ), *FAST, *flags, "--dist-timeout", "100"]
+    errors = one_line_errors("nd_parallel.py", argv, world=world)
+    assert all(expected in e for e in errors), errors
