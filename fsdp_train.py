@@ -25,6 +25,7 @@ processes. OUTPUT_DIR/model.pt (and --export PATH) holds the whole model for one
 """
 
 import argparse
+import contextlib
 import datetime
 import functools
 import itertools
@@ -93,6 +94,27 @@ def units(model):
     stages (the MLP and the CNN have none: one unit, the root, whole)."""
     stages = [getattr(model, f"layer{i}", None) for i in range(1, 5)]
     return list(getattr(model, "blocks", [])) + [s for s in stages if s is not None]
+
+
+def recompute_keeps_statistics(block):
+    """checkpoint's context_fn for `block`: its forward runs as usual, and again in backward
+    to remake the activations, where BatchNorm would update its running statistics a second
+    time (num_batches_tracked 2 a step, running_mean pulled twice as far; PyTorch issue
+    96136). So the recomputation gives back what it changed of them."""
+    norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+    @contextlib.contextmanager
+    def recompute():
+        kept = [[b.clone() for b in norm.buffers()] for norm in norms]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for norm, buffers in zip(norms, kept, strict=True):
+                    for buffer, old in zip(norm.buffers(), buffers, strict=True):
+                        buffer.copy_(old)
+
+    return contextlib.nullcontext(), recompute()
 
 
 def main(argv=None):
@@ -173,7 +195,9 @@ def main(argv=None):
         raw_model = model  # no torch.compile wrapper
         if args.checkpoint_activations:
             for block in units(model):
-                block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+                again = functools.partial(recompute_keeps_statistics, block)
+                kwargs = dict(use_reentrant=False, context_fn=again)
+                block.forward = functools.partial(checkpoint, block.forward, **kwargs)
         # One process has nothing to shard: autocast gives it bf16 instead.
         dtype = torch.bfloat16 if args.amp == "bf16" else None  # the compute's (MFU's peak)
         use_autocast = args.amp == "bf16" and not info.distributed  # FSDP gives bf16 itself

@@ -44,8 +44,8 @@ def train(tmp_path, name, nproc, model, *extra):
     out = tmp_path / name
     argv = ["fsdp_train.py", *FAST, "--model", model, "--output-dir", out, *extra]
     argv += ["--batch-size", str(GLOBAL_BATCH // nproc)]
-    if nproc == 1:
-        run_python(argv)
+    if nproc == 1:  # DCP's save as one process, meant: without PyTorch's warning that it is
+        assert "torch.distributed is disabled" not in run_python(argv).stderr
     else:
         torchrun_workers(nproc, argv)
     return out
@@ -182,6 +182,22 @@ def test_activation_checkpointing_runs_each_block_again_in_backward():
 def test_activation_checkpointing_trains_the_same(tmp_path, references):
     out = train(tmp_path, "run", 2, "vit", "--checkpoint-activations")
     assert_same_training(out, references["vit"], "vit")
+
+
+def test_recomputation_leaves_batchnorm_statistics_as_one_forward_does(tmp_path, no_launcher):
+    """--checkpoint-activations runs each ResNet stage's forward again in backward: its
+    BatchNorms count the batch once (num_batches_tracked 1 after a step, not 2), and the
+    saved model is the one of a run without it, bit for bit. In this process, one step of 4
+    samples each, evaluation left out (it changes no statistics)."""
+    no_launcher.setattr(fsdp_train, "evaluate", lambda *args: (0.0, 0.0))
+    argv = [*SYNTHETIC, "--model", "resnet18", "--batch-size", "4", "--max-steps", "1"]
+    for flags in ([], ["--checkpoint-activations"]):
+        fsdp_train.main([*argv, "--output-dir", str(tmp_path / str(len(flags))), *flags])
+    plain, recomputed = whole(tmp_path / "0"), whole(tmp_path / "1")
+    assert recomputed["layer1.0.bn1.num_batches_tracked"] == 1
+    assert plain.keys() == recomputed.keys()
+    differ = [k for k in plain if not torch.equal(plain[k], recomputed[k])]
+    assert not differ, differ
 
 
 def eval_only(nproc, checkpoint):
