@@ -188,6 +188,7 @@ def test_activation_checkpointing_trains_the_same(tmp_path, references):
     assert_same_training(out, references["vit"], "vit")
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # pytest resets the filters
 def test_recomputation_leaves_batchnorm_statistics_as_one_forward_does(tmp_path, no_launcher):
     """--checkpoint-activations runs each ResNet stage's forward again in backward: its
     BatchNorms count the batch once (num_batches_tracked 1 after a step, not 2), and the
