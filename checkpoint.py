@@ -10,6 +10,7 @@ import os
 import random
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 
 import torch
@@ -17,6 +18,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from common import broadcast_object, fail, first_line, is_main_process, print0, together
+
+# One process (no process group): DCP reads and writes the checkpoint as one process, which is
+# what the sharded scripts mean there, and says so at every call (even given no_dist=True).
+warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
 
 
 def rng_state(device):

@@ -369,20 +369,14 @@ def main(argv=None):
         @torch.no_grad()
         def evaluate_all():
             """Exact: a rank with fewer test batches runs empty ones (FSDP's forward is
-            collective); evaluate() sums each CP group's totals cp times: the ratios are exact."""
+            collective). Text: each token counted once, by its process; images: cp times."""
             padded = pad_batches(test_loader, test_set[0], device)
             return evaluate(model, (split(x, y) for x, y in padded), device, autocast())
 
         if args.eval_only:
             loss, acc = evaluate_all()
             print0(f"eval {resume}: test_loss {loss:.4f} test_acc {acc:.4f}")
-            return
-
-        def save(step):  # all ranks participate
-            meta = sharded_meta(model, step, steps_per_epoch, global_batch, args, device)
-            # Every rank writes its pieces; rank 0 then publishes them (see fsdp_train.py).
-            dcp.save(state, checkpoint_id=out / "checkpoint.tmp")
-            publish_sharded(out, meta)
+            return  # no barrier: evaluate's all-reduce was every rank's last collective
 
         start_epoch = step // steps_per_epoch
         metrics = out / "metrics.jsonl" if out and rank == 0 else None
@@ -422,25 +416,28 @@ def main(argv=None):
                     nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
                 optimizer.step()  # this rank's shards only
                 optimizer.zero_grad(set_to_none=True)
-                scheduler.step()
-                profiler.step()
+                lr_now = scheduler.get_last_lr()[0]  # this step's rate (logged; the epoch's last)
+                scheduler.step()  # on to the next step's
                 step, done = step + 1, done + 1
                 last = done == steps or step == args.max_steps
+                profiler.step(last)  # an evaluation comes next: no training step
                 if step % args.log_every == 0 or last:  # all ranks participate: all stop on a NaN
-                    train_loss = log_loss(loss_sum, count, epoch, step, scheduler.get_last_lr()[0])
+                    train_loss = log_loss(loss_sum, count, epoch, step, lr_now)
                 if last:
                     break
             seconds = time.perf_counter() - t0  # the loss all-reduce above synchronised
 
             test_loss, test_acc = evaluate_all()
-            speed, lr_now = done * global_batch / seconds, scheduler.get_last_lr()[0]
+            speed = done * global_batch / seconds
             record = dict(epoch=epoch, step=step, train_loss=train_loss, test_loss=test_loss)
             record.update(test_acc=test_acc, epoch_seconds=seconds, samples_per_second=speed)
             rates = flop_rates(flops * done, seconds, device, dtype, args.peak_tflops, world)
             record.update(lr=lr_now, world_size=world, **rates)
             end_epoch(metrics, record)  # printed; in metrics.jsonl before the checkpoint
-            if out:
-                save(step)  # all ranks participate
+            if out:  # every rank writes its pieces; rank 0 then publishes them (all participate)
+                meta = sharded_meta(model, step, steps_per_epoch, global_batch, args, device)
+                dcp.save(state, checkpoint_id=out / "checkpoint.tmp")  # as in fsdp_train.py
+                publish_sharded(out, meta)
 
         profiler.stop()
         # The whole model in one file that loads into models.GPT or models.ViT(patch=(1, 28))

@@ -218,5 +218,6 @@ def load_text(path, seq_len):
     text = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
     held = max(len(text) // 20, seq_len + 1)
     if len(text) - held < seq_len + 1:
-        fail(f"text: {len(text)} bytes in {path} are too few for windows of --seq-len {seq_len}")
+        source = path or "the standard library's sources (the default: no --data-dir)"
+        fail(f"text: {len(text)} bytes in {source} are too few for windows of --seq-len {seq_len}")
     return TextWindows(text[:-held], seq_len), TextWindows(text[-held:], seq_len)

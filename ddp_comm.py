@@ -405,10 +405,10 @@ def main(argv=None):
                     optimizer.zero_grad(set_to_none=True)
                     scheduler.step()
                     step, done = step + 1, done + 1
-                    profiler.step()
                     bar.update()
                     last = done == steps or step == args.max_steps
                     snapshot = args.save_every and step % args.save_every == 0 and not last
+                    profiler.step(last or snapshot)  # evaluation, saving: no training step
                     # comm: local SGD averages the weights every K steps, and before an evaluation
                     # or a checkpoint the momentum too: one model is saved, and resumes exactly.
                     local = args.local_sgd_period and step > start

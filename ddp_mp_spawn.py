@@ -219,7 +219,7 @@ def train(args, info):
             loss_sum += loss.detach() * labels.numel()
             seen += labels.numel()
             step += 1
-            profiler.step()
+            profiler.step(step == args.max_steps or step % steps_per_epoch == 0)  # last: eval next
             if step == args.max_steps:
                 break
         # One all-reduce per epoch for the log line (all ranks participate): every rank sees

@@ -360,10 +360,10 @@ def main(argv=None):
                     optimizer.zero_grad(set_to_none=True)
                     scheduler.step()
                     step, done = step + 1, done + 1
-                    profiler.step()
                     bar.update()
                     last = done == steps or step == args.max_steps
                     snapshot = args.save_every and step % args.save_every == 0 and not last
+                    profiler.step(last or snapshot)  # evaluation, saving: no training step
                     if step % args.log_every == 0 or last or snapshot:
                         # One all-reduce per log step (all ranks participate) feeds the bar,
                         # and every rank sees the same NaN: all stop before it can replace a

@@ -243,7 +243,7 @@ def train(args, device):
             loss_sum += loss.detach() * labels.numel()
             seen += labels.numel()
             step += 1
-            profiler.step()
+            profiler.step(step == args.max_steps or step % steps_per_epoch == 0)  # last: eval next
             if step == args.max_steps:
                 break
         epoch_seconds = time.perf_counter() - t0

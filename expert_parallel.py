@@ -1,5 +1,5 @@
 """Expert parallelism: a mixture-of-experts model whose experts are spread over the processes;
-each token goes to its experts' process and comes back, two all-to-all exchanges per layer.
+three all-to-alls a layer: each expert's count of rows, the rows to it, its outputs back.
 
 A mixture of experts (Shazeer et al., 2017; Fedus et al., 2021) replaces each block's MLP by E
 expert MLPs and a router that sends each token to k of them: the parameters grow E-fold while
@@ -340,7 +340,7 @@ def main(argv=None):
         if args.eval_only:
             loss, acc = evaluate_all()
             print0(f"eval {resume}: test_loss {loss:.4f} test_acc {acc:.4f}")
-            return
+            return  # no barrier: evaluate's all-reduce was every rank's last collective
 
         start_epoch = step // steps_per_epoch
         metrics = out / "metrics.jsonl" if out and rank == 0 else None
@@ -382,19 +382,20 @@ def main(argv=None):
                     clip_grad_norm(model, mesh, args.clip_grad)
                 optimizer.step()  # the whole tensors, and this process's experts
                 optimizer.zero_grad(set_to_none=True)
-                scheduler.step()
-                profiler.step()
+                lr_now = scheduler.get_last_lr()[0]  # this step's rate (logged; the epoch's last)
+                scheduler.step()  # on to the next step's
                 step, done = step + 1, done + 1
                 last = done == steps or step == args.max_steps
+                profiler.step(last)  # an evaluation comes next: no training step
                 if step % args.log_every == 0 or last:  # all ranks participate: all stop on a NaN
-                    train_loss = log_loss(loss_sum, count, epoch, step, scheduler.get_last_lr()[0])
+                    train_loss = log_loss(loss_sum, count, epoch, step, lr_now)
                 if last:
                     break
             seconds = time.perf_counter() - t0  # the loss all-reduce above synchronised
             load = reduce_value(load).tolist()  # all ranks participate
 
             test_loss, test_acc = evaluate_all()
-            speed, lr_now = done * global_batch / seconds, scheduler.get_last_lr()[0]
+            speed = done * global_batch / seconds
             record = dict(epoch=epoch, step=step, train_loss=train_loss, test_loss=test_loss)
             record.update(test_acc=test_acc, epoch_seconds=seconds, samples_per_second=speed)
             # Per block: the token choices each expert took this epoch; and those dropped.

@@ -288,7 +288,7 @@ def train(args, info):
             totals[0] += loss.detach() * labels.numel()
             totals[1] += labels.numel()
             step += 1
-            profiler.step()
+            profiler.step(step == total_steps or step % len(train_loader) == 0)  # last: eval next
             if step == total_steps:
                 break
         totals = reduce_value(totals)  # all ranks participate

@@ -25,6 +25,7 @@ processes. OUTPUT_DIR/model.pt (and --export PATH) holds the whole model for one
 """
 
 import argparse
+import contextlib
 import datetime
 import functools
 import itertools
@@ -93,6 +94,27 @@ def units(model):
     stages (the MLP and the CNN have none: one unit, the root, whole)."""
     stages = [getattr(model, f"layer{i}", None) for i in range(1, 5)]
     return list(getattr(model, "blocks", [])) + [s for s in stages if s is not None]
+
+
+def recompute_keeps_statistics(block):
+    """checkpoint's context_fn for `block`: its forward runs as usual, and again in backward
+    to remake the activations, where BatchNorm would update its running statistics a second
+    time (num_batches_tracked 2 a step, running_mean pulled twice as far; PyTorch issue
+    96136). So the recomputation gives back what it changed of them."""
+    norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+    @contextlib.contextmanager
+    def recompute():
+        kept = [[b.clone() for b in norm.buffers()] for norm in norms]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for norm, buffers in zip(norms, kept, strict=True):
+                    for buffer, old in zip(norm.buffers(), buffers, strict=True):
+                        buffer.copy_(old)
+
+    return contextlib.nullcontext(), recompute()
 
 
 def main(argv=None):
@@ -173,7 +195,9 @@ def main(argv=None):
         raw_model = model  # no torch.compile wrapper
         if args.checkpoint_activations:
             for block in units(model):
-                block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+                again = functools.partial(recompute_keeps_statistics, block)
+                kwargs = dict(use_reentrant=False, context_fn=again)
+                block.forward = functools.partial(checkpoint, block.forward, **kwargs)
         # One process has nothing to shard: autocast gives it bf16 instead.
         dtype = torch.bfloat16 if args.amp == "bf16" else None  # the compute's (MFU's peak)
         use_autocast = args.amp == "bf16" and not info.distributed  # FSDP gives bf16 itself
@@ -215,7 +239,7 @@ def main(argv=None):
         if args.eval_only:
             loss, acc = evaluate_all()
             print0(f"eval {resume}: test_loss {loss:.4f} test_acc {acc:.4f}")
-            return
+            return  # no barrier: evaluate's all-reduce was every rank's last collective
 
         if args.compile:
             model = torch.compile(model)
@@ -293,13 +317,14 @@ def main(argv=None):
                     nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
                 optimizer.step()  # this rank's shards only
                 optimizer.zero_grad(set_to_none=True)
-                scheduler.step()
-                profiler.step()
+                lr_now = scheduler.get_last_lr()[0]  # this step's rate (logged; the epoch's last)
+                scheduler.step()  # on to the next step's
                 step, done = step + 1, done + 1
                 last = done == steps or step == args.max_steps
                 snapshot = args.save_every and step % args.save_every == 0 and not last
+                profiler.step(last or snapshot)  # evaluation, saving: no training step
                 if step % args.log_every == 0 or last or snapshot:  # all ranks participate
-                    train_loss = log_loss(loss_sum, count, epoch, step, scheduler.get_last_lr()[0])
+                    train_loss = log_loss(loss_sum, count, epoch, step, lr_now)
                 if snapshot:
                     save(step)  # a mid-epoch checkpoint; all ranks participate
                 if last:
@@ -307,7 +332,7 @@ def main(argv=None):
             seconds = time.perf_counter() - t0  # the loss all-reduce above synchronised
 
             test_loss, test_acc = evaluate_all()
-            speed, lr_now = done * global_batch / seconds, scheduler.get_last_lr()[0]
+            speed = done * global_batch / seconds
             record = dict(epoch=epoch, step=step, train_loss=train_loss, test_loss=test_loss)
             record.update(test_acc=test_acc, epoch_seconds=seconds, samples_per_second=speed)
             rates = flop_rates(flops * done, seconds, device, dtype, args.peak_tflops, world)

@@ -304,10 +304,10 @@ def train(args, info):
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             step, done = step + 1, done + 1
-            profiler.step()
             if loss is not None:  # the batch's mean loss, where the last stage is
                 loss_sum += loss
             last = done == steps_per_epoch or step == args.max_steps
+            profiler.step(last)  # an evaluation comes next: no training step
             if step % args.log_every == 0 or last:
                 # The loss lives on the last stage: it sends its sum (all ranks participate), so
                 # rank 0 prints it and all stop together on a NaN.

@@ -3,11 +3,13 @@
     profiler = Profiler(args.profile, rank, device)  # all ranks; a no-op when the dir is None
     for images, labels in loader:
         ...                                          # forward, backward, optimizer step
-        profiler.step()                              # once per optimizer step
+        profiler.step(last)                          # once per optimizer step; last: see below
     profiler.stop()                                  # after the loop: a short run's window ends
 
 Profiler(trace_dir, rank, device, wait=1, warmup=2, active=3) records steps wait+warmup+1 to
-wait+warmup+active, then writes trace_dir/rank{R}.json, a Chrome trace (open it in
+wait+warmup+active (training steps only: step(last=True) says an evaluation, a checkpoint or
+the run's end comes next, which ends a window begun, as it is, and puts off one about to
+begin by a step), then writes trace_dir/rank{R}.json, a Chrome trace (open it in
 ui.perfetto.dev or chrome://tracing), on CUDA also rank{R}_memory.pickle, a memory snapshot
 (pytorch.org/memory_viz), and prints one line: the step's time, the share of it spent waiting
 in collectives, the largest operations by self time. add_flags(parser) adds --profile DIR and
@@ -67,6 +69,7 @@ class Profiler:
 
     def __init__(self, trace_dir, rank=0, device=None, wait=1, warmup=2, active=3):
         self.prof, self.steps, self.first = None, 0, wait + warmup + 1
+        self.warmup, self.active = warmup, active
         if trace_dir is None:
             return
         self.dir, self.rank = Path(trace_dir), rank
@@ -80,9 +83,8 @@ class Profiler:
             # frames only: C++ frames are symbolized when the snapshot is dumped, minutes for a
             # model's steps (torchtitan measured 461 s against 4 s).
             torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
-        schedule = torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1)
         self.prof = torch.profiler.profile(
-            activities=activities, schedule=schedule, on_trace_ready=self._write
+            activities=activities, schedule=self._action, on_trace_ready=self._write
         )
         self.prof.start()
 
@@ -95,9 +97,26 @@ class Profiler:
         except OSError as e:
             fail(f"--profile {self.dir}: {e.strerror or e}")
 
-    def step(self):
+    def _action(self, n):
+        """torch.profiler's schedule: what to do in the span from the n-th step() (0: start())
+        to the next, the span of training step n + 1; recorded: steps first .. first+active-1."""
+        action, start = torch.profiler.ProfilerAction, self.first - 1
+        if n < start - self.warmup or n >= start + self.active:
+            return action.NONE
+        if n < start:
+            return action.WARMUP
+        return action.RECORD_AND_SAVE if n == start + self.active - 1 else action.RECORD
+
+    def step(self, last=False):
+        """At the end of each optimizer step. last: not a training step comes next but an
+        evaluation, a checkpoint or the end: a window begun ends here (written as it is), one
+        that would begin with the next span begins a step later (the span is not recorded)."""
         if self.prof:
             self.steps += 1
+            if last and self.steps >= self.first:
+                return self.stop()
+            if last and self.steps == self.first - 1:
+                self.first += 1
             self.prof.step()
 
     def stop(self):

@@ -18,13 +18,11 @@ One CPU process (these int8 kernels run on CPUs), after any training script:
     python quantize.py --checkpoint runs/ddp/checkpoint.pt --qat-steps 200 --threads 1 \\
         --json runs/q/results.json --output-dir runs/q     # reload: quantize.load_int8(path)
     python fsdp_train.py --model mlp --output-dir runs/fsdp  # or torchrun ...
-    python quantize.py --checkpoint runs/fsdp/model.pt --model mlp   # a whole-model file
+    python quantize.py --checkpoint runs/fsdp/model.pt --model mlp   # a state_dict: its --model
     python quantize.py                          # no checkpoint: trains a float model first
 
---checkpoint takes a model of models.py: a checkpoint.pt of the DDP-family scripts (its
---model recorded), or a plain state_dict such as model.pt (pass the --model it trained with).
-torch.ao.quantization (FX graph mode, used here) is deprecated in favour of torchao's PT2E flow
-(torch.export, prepare_pt2e, calibrate, convert_pt2e): the same steps.
+--checkpoint: a DDP-family checkpoint.pt (its --model recorded) or a plain state_dict. FX graph
+mode (torch.ao.quantization, used here) is deprecated for torchao's PT2E flow: the same steps.
 """
 
 import copy

@@ -195,6 +195,14 @@ def test_commands_are_found():
     assert names[:2] == ["ddp_train.py", "quantize.py"] and "fsdp_train.py" in names
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_docstring_is_at_most_25_lines(script):
+    """A script's docstring is its launch recipes and what to know before them: 25 lines at
+    most, counted as Python's help() shows it (ast.get_docstring)."""
+    doc = ast.get_docstring(ast.parse((ROOT / script).read_text())) or ""
+    assert len(doc.splitlines()) <= 25, (script, len(doc.splitlines()))
+
+
 def test_ci_installs_with_the_readme_setup_line():
     """README's Quickstart installs with one line, and .ci/run runs that line word for word:
     CI proves that it installs everything the test command needs."""

@@ -455,6 +455,9 @@ torch.Tensor.tolist = tolist
 sent = []  # the dtype of every row exchanged
 real_a2a = ep.all_to_all_single_autograd
 ep.all_to_all_single_autograd = lambda h, *a: sent.append(h.element_size()) or real_a2a(h, *a)
+counted = []  # the exchanges of counts (plain all_to_all_single: no autograd)
+real_counts = dist.all_to_all_single
+dist.all_to_all_single = lambda *a, **k: counted.append(1) or real_counts(*a, **k)
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "ep"))
 report = {}
@@ -464,13 +467,13 @@ for name, amp in (("fp32", False), ("bf16", True)):
     ep.shard_experts(model, mesh)
     tokens = torch.randint(0, 256, (4, 32))
     moes = [block.mlp for block in model.blocks]
-    sent[:] = []
+    sent[:], counted[:] = [], []
     with Waits():
         Waits.count = 0
         with torch.autocast("cpu", torch.bfloat16, enabled=amp):
             loss = model(tokens).float().square().mean() + ep.balance_loss(moes)
         loss.backward()
-    report[name] = dict(waits=Waits.count, blocks=len(moes), sent=list(sent))
+    report[name] = dict(waits=Waits.count, blocks=len(moes), sent=list(sent), counts=len(counted))
 if dist.get_rank() == 0:
     print(json.dumps(report))
 dist.destroy_process_group()
@@ -480,7 +483,8 @@ dist.destroy_process_group()
 def test_one_host_sync_per_layer_and_bf16_rows_under_amp(tmp_path):
     """EP 2, a 2-block MoE GPT, one forward and backward: at most one wait for the device per
     layer (the all-to-all's sizes), counted from the operations that make a GPU's host wait;
-    under --amp bf16 the rows travel in bf16 both ways (half the bytes), else in fp32."""
+    under --amp bf16 the rows travel in bf16 both ways (half the bytes), else in fp32; three
+    all-to-alls a layer forward (the docstring's): the counts, the rows, the outputs."""
     (tmp_path / "syncs.py").write_text(SYNCS)
     proc = torchrun_workers(2, [tmp_path / "syncs.py", ROOT])
     report = last_json(proc.stdout)
@@ -488,3 +492,4 @@ def test_one_host_sync_per_layer_and_bf16_rows_under_amp(tmp_path):
         got = report[name]
         assert got["waits"] <= got["blocks"], got
         assert got["sent"] == [size] * 2 * got["blocks"], got  # out and back, each block
+        assert got["counts"] == got["blocks"], got  # and the counts first: three all-to-alls

@@ -44,8 +44,8 @@ def train(tmp_path, name, nproc, model, *extra):
     out = tmp_path / name
     argv = ["fsdp_train.py", *FAST, "--model", model, "--output-dir", out, *extra]
     argv += ["--batch-size", str(GLOBAL_BATCH // nproc)]
-    if nproc == 1:
-        run_python(argv)
+    if nproc == 1:  # DCP's save as one process, meant: without PyTorch's warning that it is
+        assert "torch.distributed is disabled" not in run_python(argv).stderr
     else:
         torchrun_workers(nproc, argv)
     return out
@@ -104,6 +104,10 @@ def test_sharded_training_equals_one_process(tmp_path, references, model, nproc)
     out = train(tmp_path, "run", nproc, model)
     assert read_metrics(out)[-1]["world_size"] == nproc
     assert_same_training(out, references[model], model)
+    # metrics.jsonl's lr: the rate the last step took, the 5th of a cosine over 5 x 166 steps
+    sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], 0.05 * GLOBAL_BATCH / 256)
+    fifth = training.warmup_cosine(sgd, 0.0, 5 * (2000 // GLOBAL_BATCH), 4).get_last_lr()[0]
+    assert read_metrics(out)[-1]["lr"] == pytest.approx(fifth, rel=1e-9)
 
 
 def probe(mode, nproc, *flags, steps=2):
@@ -182,6 +186,23 @@ def test_activation_checkpointing_runs_each_block_again_in_backward():
 def test_activation_checkpointing_trains_the_same(tmp_path, references):
     out = train(tmp_path, "run", 2, "vit", "--checkpoint-activations")
     assert_same_training(out, references["vit"], "vit")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # pytest resets the filters
+def test_recomputation_leaves_batchnorm_statistics_as_one_forward_does(tmp_path, no_launcher):
+    """--checkpoint-activations runs each ResNet stage's forward again in backward: its
+    BatchNorms count the batch once (num_batches_tracked 1 after a step, not 2), and the
+    saved model is the one of a run without it, bit for bit. In this process, one step of 4
+    samples each, evaluation left out (it changes no statistics)."""
+    no_launcher.setattr(fsdp_train, "evaluate", lambda *args: (0.0, 0.0))
+    argv = [*SYNTHETIC, "--model", "resnet18", "--batch-size", "4", "--max-steps", "1"]
+    for flags in ([], ["--checkpoint-activations"]):
+        fsdp_train.main([*argv, "--output-dir", str(tmp_path / str(len(flags))), *flags])
+    plain, recomputed = whole(tmp_path / "0"), whole(tmp_path / "1")
+    assert recomputed["layer1.0.bn1.num_batches_tracked"] == 1
+    assert plain.keys() == recomputed.keys()
+    differ = [k for k in plain if not torch.equal(plain[k], recomputed[k])]
+    assert not differ, differ
 
 
 def eval_only(nproc, checkpoint):

@@ -236,6 +236,8 @@ def test_text_defaults_to_the_standard_library_and_refuses_bad_input(tmp_path):
     ]:
         with pytest.raises(SystemExit, match=says):
             data.load_datasets("text", str(path), seq_len=4096)
+    with pytest.raises(SystemExit, match="bytes in the standard library's sources .the default"):
+        data.load_datasets("text", None, seq_len=10**8)  # the source named, not "None"
     (tmp_path / "c.bin").write_bytes(b"\xff\xfe" * 100)
     with pytest.raises(SystemExit, match="c.bin is not UTF-8 text"):
         data.load_datasets("text", str(tmp_path), seq_len=8)

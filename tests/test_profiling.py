@@ -4,6 +4,7 @@ peak table and MFU; the in-memory data set moved by InMemoryDataset.to keeps its
 
 import json
 import re
+import time
 
 import pytest
 import torch
@@ -149,8 +150,9 @@ def test_a_collective_called_inside_an_operator_is_waiting_not_compute(tmp_path)
 
 
 def profiled_run(out, profile=None):
-    """ddp_train.py's MLP, 2 processes x 16, 6 steps; with --profile DIR if given."""
-    argv = ["ddp_train.py", *MLP_ARGS, "--max-steps", "6", "--batch-size", "16"]
+    """ddp_train.py's MLP, 2 processes x 16, 5 steps (the window of steps 4-6 cut short by the
+    run's end); with --profile DIR if given."""
+    argv = ["ddp_train.py", *MLP_ARGS, "--max-steps", "5", "--batch-size", "16"]
     argv += ["--output-dir", out] + (["--profile", profile] if profile else [])
     return torchrun_workers(2, argv)
 
@@ -166,7 +168,8 @@ def test_profile_writes_a_trace_per_rank_and_training_is_unchanged(tmp_path):
         names = {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
         assert {"gloo:all_reduce", "c10d::allreduce_", "ProfilerStep#4"} <= names
         trace = profiling.read_trace(path)
-        assert len(trace["steps"]) == 3 and trace["compute"] and trace["collectives"]
+        # Steps 4 and 5: not a third holding the evaluation, checkpoint and export after them
+        assert len(trace["steps"]) == 2 and trace["compute"] and trace["collectives"]
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(f"rank {rank}: profile")]
         assert len(lines) == 1, proc.stdout  # one line per rank
         assert "ms a step" in lines[0] and "% of it waiting in collectives" in lines[0]
@@ -176,6 +179,27 @@ def test_profile_writes_a_trace_per_rank_and_training_is_unchanged(tmp_path):
     (record,) = read_metrics(tmp_path / "profiled")
     flops = record["flops_per_second"] * record["epoch_seconds"] / record["step"]
     assert flops == pytest.approx(mlp_flops(32), rel=1e-9) and "mfu" not in record
+
+
+def test_the_window_holds_training_steps_only(tmp_path):
+    """Profiler.step(last=True): an evaluation comes next (here a sleep of 0.3 s). Inside the
+    window (steps 4-6) it ends the window, written as it is; just before, it puts the window
+    off a step; so no profiled step holds it (it was the open step until stop())."""
+
+    def steps(name, last_steps, steps):
+        profiler = profiling.Profiler(tmp_path / name)
+        for step in range(1, steps + 1):
+            torch.ones(64, 64) @ torch.ones(64, 64)  # the training step
+            profiler.step(step in last_steps)
+            if step in last_steps:
+                time.sleep(0.3)  # the evaluation
+        profiler.stop()
+        return profiling.read_trace(tmp_path / name / "rank0.json")["steps"]
+
+    for name, last_steps, runs, profiled in [("short", {5}, 5, 2), ("epochs", {3, 6}, 8, 2)]:
+        found = steps(name, last_steps, runs)
+        assert len(found) == profiled, (name, found)  # "epochs": steps 5 and 6
+        assert all(end - start < 0.25e6 for start, end in found), (name, found)  # microseconds
 
 
 def test_a_run_shorter_than_the_window_says_so_and_writes_nothing(tmp_path):
@@ -219,7 +243,7 @@ def test_a_data_set_moved_by_to_gives_the_same_batches_in_the_same_order():
     assert torch.equal(expected[0][1], torch.tensor(list(sampler)[:4]))
 
 
-FAST = [*SYNTHETIC, "--max-steps", "6", "--batch-size", "8", "--dist-timeout", "60"]
+FAST = [*SYNTHETIC, "--max-steps", "5", "--batch-size", "8", "--dist-timeout", "60"]
 COPIES = {  # script: (command line, processes started by the test's launcher)
     "dp_train.py": ([*FAST, "--model", "mlp"], 1),
     "ddp_comm.py": ([*FAST, "--model", "mlp"], 2),
@@ -243,8 +267,9 @@ def test_every_copy_profiles_and_logs_its_flop_rate(tmp_path, script):
     ranks = 1 if script == "dp_train.py" else 2
     for rank in range(ranks):
         trace = profiling.read_trace(tmp_path / "trace" / f"rank{rank}.json")
-        assert len(trace["steps"]) == 3 and bool(trace["collectives"]) == (ranks == 2)
-        assert proc.stdout.count(f"rank {rank}: profile of 3 steps") == 1, proc.stdout
+        # 2 steps: the window (steps 4-6) ends with the run, not in its evaluation
+        assert len(trace["steps"]) == 2 and bool(trace["collectives"]) == (ranks == 2)
+        assert proc.stdout.count(f"rank {rank}: profile of 2 steps") == 1, proc.stdout
     (record,) = read_metrics(tmp_path / "out")
     assert record["flops_per_second"] > 0
 
@@ -270,16 +295,16 @@ def test_the_sharded_scripts_profile_and_log_their_flop_rate(tmp_path, small_tex
     one line per rank, and flops_per_second in metrics.jsonl."""
     driver = tmp_path / "four.py"
     driver.write_text(FOUR_RUNS.format(root=str(ROOT)))
-    flags = [*text_flags(small_text), "--dim", "32", "--max-steps", "6", "--batch-size", "4"]
+    flags = [*text_flags(small_text), "--dim", "32", "--max-steps", "5", "--batch-size", "4"]
     # Real torchrun (as test_scripts.py's three runs): its store outlives each main()'s group.
     proc = torchrun(2, [driver, tmp_path, *flags, "--dist-timeout", "60"], timeout=300)
     for name in ("fsdp_train", "tensor_parallel", "context_parallel", "expert_parallel"):
         for rank in range(2):
             trace = profiling.read_trace(tmp_path / "trace" / name / f"rank{rank}.json")
-            assert len(trace["steps"]) == 3 and trace["collectives"], (name, rank)
+            assert len(trace["steps"]) == 2 and trace["collectives"], (name, rank)  # 4, 5
             _, waiting = profiling.step_time_and_waiting(trace)
             assert waiting > 0, (name, rank)  # DTensor's collectives too, inside its operators
         (record,) = read_metrics(tmp_path / name)
         assert record["flops_per_second"] > 0, name
     for rank in range(2):
-        assert proc.stdout.count(f"rank {rank}: profile of 3 steps") == 4, proc.stdout
+        assert proc.stdout.count(f"rank {rank}: profile of 2 steps") == 4, proc.stdout

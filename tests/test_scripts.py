@@ -147,12 +147,19 @@ def test_tensor_context_and_expert_parallel_each_train_on_two_processes(tmp_path
     driver = tmp_path / "three.py"
     driver.write_text(THREE_RUNS.format(root=str(ROOT)))
     flags = [*SYNTHETIC, "--model", "vit", "--max-steps", "2", "--batch-size", "8"]
-    flags += ["--dist-timeout", "60"]
-    torchrun(2, [driver, tmp_path, *flags])
-    for name in ("tensor_parallel", "context_parallel", "expert_parallel"):
+    flags += ["--dist-timeout", "60", "--log-every", "1"]
+    proc = torchrun(2, [driver, tmp_path, *flags])
+    # The lr logged at a step is the rate it took: in the linear warm-up, step 2's is twice
+    # step 1's (not 3/2: the next step's), and metrics.jsonl's is the epoch's last step's.
+    logged = re.findall(r"^epoch 0 step \d: loss \S+ lr (\S+)$", proc.stdout, re.M)
+    rates = [float(r) for r in logged]  # 3 significant digits: within 1%
+    for i, name in enumerate(("tensor_parallel", "context_parallel", "expert_parallel")):
         [record] = read_metrics(tmp_path / name)
         assert (record["step"], record["world_size"]) == (2, 2), name
         assert math.isfinite(record["train_loss"]) and 0 <= record["test_acc"] <= 1, name
+        first, second = rates[2 * i : 2 * i + 2]
+        assert second == pytest.approx(2 * first, rel=0.01), (name, rates)
+        assert record["lr"] == pytest.approx(second, rel=0.01), (name, rates)
 
     def whole(out):
         return torch.load(out / "model.pt", map_location="cpu", weights_only=True)
