@@ -387,18 +387,19 @@ def train(args, info):
                 clip_grad_norm(list(model.parameters()), args.clip_grad, pp_group)
             optimizer.step()  # this process's pieces only
             optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            profiler.step()
+            lr_now = scheduler.get_last_lr()[0]  # this step's rate (logged; the epoch's last)
+            scheduler.step()  # on to the next step's
             step, done = step + 1, done + 1
             last_step = done == steps or step == args.max_steps
+            profiler.step(last_step)  # an evaluation comes next: no training step
             if step % args.log_every == 0 or last_step:  # all ranks participate
-                train_loss = log_loss(loss_sum, count, epoch, step, scheduler.get_last_lr()[0])
+                train_loss = log_loss(loss_sum, count, epoch, step, lr_now)
             if last_step:
                 break
         seconds = time.perf_counter() - t0  # the loss all-reduce above synchronised
 
         test_loss, test_acc = evaluate()
-        speed, lr_now = done * global_batch / seconds, scheduler.get_last_lr()[0]
+        speed = done * global_batch / seconds
         record = dict(epoch=epoch, step=step, train_loss=train_loss, test_loss=test_loss)
         record.update(test_acc=test_acc, epoch_seconds=seconds, samples_per_second=speed)
         rates = flop_rates(flops * done, seconds, device, dtype, args.peak_tflops, world)
