@@ -14,6 +14,7 @@ from conftest import (
     read_metrics,
     single_process_eval,
     torchrun,
+    torchrun_workers,
 )
 
 
@@ -62,46 +63,49 @@ def test_three_processes_evaluate_exactly(tmp_path):
     assert metrics["test_acc"] == acc
 
 
-def _eval_rank(rank, world, port, out):
-    """One rank of a gloo group: evaluate a model that records which samples it is shown."""
-    import os
+# One rank of a gloo group, started by the fork server (torchrun_workers: torch imported once,
+# not in three fresh interpreters): evaluate a model that records which samples it is shown.
+EVAL_RANK = """
+import json, sys
+from pathlib import Path
 
-    import torch
-    import torch.distributed as dist
-    from conftest import built_loaders
+import torch
+import torch.distributed as dist
 
-    import data
-    import training
+sys.path.insert(0, "tests")
+from conftest import built_loaders
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    # Sample i carries its index in its first pixel and has label i % 10; the "model" answers
-    # correctly for even indices only, so the exact accuracy is 250/499.
-    images = torch.zeros(499, 1, 2, 2)
-    images[:, 0, 0, 0] = torch.arange(499)
-    test_set = data.InMemoryDataset(images, torch.arange(499) % 10, range(10))
-    seen = []
+import data
+import training
 
-    class Recorder(torch.nn.Module):
-        def forward(self, x):
-            index = x[:, 0, 0, 0].long()
-            seen.extend(index.tolist())
-            return torch.nn.functional.one_hot(
-                torch.where(index % 2 == 0, index % 10, (index + 1) % 10), 10
-            ).float()
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+# Sample i carries its index in its first pixel and has label i % 10; the "model" answers
+# correctly for even indices only, so the exact accuracy is 250/499.
+images = torch.zeros(499, 1, 2, 2)
+images[:, 0, 0, 0] = torch.arange(499)
+test_set = data.InMemoryDataset(images, torch.arange(499) % 10, range(10))
+seen = []
 
-    datasets = (test_set, test_set, 10, 1)
-    _, _, test_loader = built_loaders(["--batch-size", "16"], world, rank, datasets)
-    _, acc = training.evaluate(Recorder(), test_loader, torch.device("cpu"))
-    (out / f"{rank}.json").write_text(json.dumps(dict(seen=seen, acc=acc)))
-    dist.destroy_process_group()
+
+class Recorder(torch.nn.Module):
+    def forward(self, x):
+        index = x[:, 0, 0, 0].long()
+        seen.extend(index.tolist())
+        answer = torch.where(index % 2 == 0, index % 10, (index + 1) % 10)
+        return torch.nn.functional.one_hot(answer, 10).float()
+
+
+datasets = (test_set, test_set, 10, 1)
+_, _, test_loader = built_loaders(["--batch-size", "16"], world, rank, datasets)
+_, acc = training.evaluate(Recorder(), test_loader, torch.device("cpu"))
+(Path(sys.argv[1]) / f"{rank}.json").write_text(json.dumps(dict(seen=seen, acc=acc)))
+dist.destroy_process_group()
+"""
 
 
 def test_each_rank_evaluates_its_share_and_together_the_set_once(tmp_path):
-    import torch
-    from conftest import free_port
-
-    torch.multiprocessing.spawn(_eval_rank, args=(3, free_port(), tmp_path), nprocs=3)
+    torchrun_workers(3, ["-c", EVAL_RANK, tmp_path])
     ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
     assert [len(r["seen"]) for r in ranks] == [167, 166, 166]
     assert sorted(i for r in ranks for i in r["seen"]) == list(range(499))

@@ -21,7 +21,7 @@ import time
 
 import pytest
 import torch.distributed as dist
-from conftest import ROOT, clean_env, free_port
+from conftest import clean_env, free_port, popen
 
 # The test moves the dead attempt's addresses through TCPStore.list_keys (PyTorch 2.10 on).
 pytestmark = pytest.mark.skipif(
@@ -70,8 +70,7 @@ def attempt(port, restart, mode):
     )
     envs = [clean_env(**launcher, RANK=str(r), LOCAL_RANK=str(r)) for r in range(2)]
     cmd = [sys.executable, "-c", WORKER, mode]
-    pipes = dict(stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, **pipes) for env in envs]
+    procs = [popen(cmd, env=env) for env in envs]  # forked: torch imported once, not 4 times
     deadline, results = time.monotonic() + 40, []
     for p in procs:
         try:
