@@ -7,6 +7,7 @@ gradient this rank steps, by the whole model's names, as the optimizer is about 
 
 import os
 import sys
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,10 @@ real_adamw, real_cleanup = torch.optim.AdamW, model_parallel.cleanup
 
 def loss_fn(logits, labels):
     loss = real_loss(logits, labels)
-    if not evaluating:  # training's losses
+    # Training's losses: not evaluation's, nor those of the stage's shape inference (on
+    # uninitialised tensors, before the first step).
+    inferring = any(f.name.endswith("_metadata_inference") for f in traceback.extract_stack())
+    if not evaluating and not inferring:
         pending.append(loss.item())
     return loss
 
