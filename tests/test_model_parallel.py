@@ -9,11 +9,13 @@ reads the same batch, the micro-batch gradients are averaged (not summed), and t
 no BatchNorm (whose statistics would depend on the micro-batch).
 """
 
+import argparse
 import copy
 import re
 import shutil
 import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -557,3 +559,87 @@ def test_gpt_every_schedule_on_four_processes_takes_one_process_steps(
 ):
     """The same on 4 processes: 4 stages, 8 interleaved or in a V."""
     check_schedules(gpt_probe(tmp_path, small_text, 4, SCHEDULES), gpt_one, small_text)
+
+
+@pytest.mark.parametrize(
+    "flags, world, words",
+    [
+        (["--stages-per-rank", "2"], 2, "1f1b places 1 stage(s) per process, not 2"),
+        (["--pipeline-schedule", "zbv", "--stages-per-rank", "3"], 2, "2 (a V) stage(s) per"),
+        (["--pipeline-schedule", "dualpipev", "--microbatches", "2"], 2, ">= stages (4); got 2"),
+        (
+            [
+                "--pipeline-schedule",
+                "interleaved-1f1b",
+                "--batch-size",
+                "20",
+                "--microbatches",
+                "5",
+            ],
+            2,
+            "interleaved-1f1b: --microbatches 5 is not 2 rounds of 2",
+        ),
+        (
+            ["--pipeline-schedule", "interleaved-zb"],
+            4,
+            "8 stages for a model of 4 blocks: at most 4",
+        ),
+        (["--stages-per-rank", "2"], 1, "--stages-per-rank is for torchrun"),
+        (["--data", "synthetic"], 1, "--model gpt does not train on --data synthetic"),
+    ],
+)
+@needs_2_10
+def test_bad_pipeline_input(no_launcher, tmp_path, small_text, flags, world, words):
+    """The GPT's pipelines: one line, nothing written, before any collective (a pretended
+    world size tests them without its processes)."""
+    info = common.DistInfo(world > 1, 0, 0, world, world, torch.device("cpu"))
+    argv = [*text_flags(small_text), *flags, "--output-dir", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as excinfo:
+        model_parallel.train(model_parallel.get_args(argv), info)
+    message = excinfo.value.code
+    assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message
+    assert words in message, message
+    assert not (tmp_path / "out").exists()
+
+
+@needs_2_10
+def test_a_schedule_this_pytorch_lacks_is_one_line(no_launcher, monkeypatch, small_text):
+    """PyTorch 2.9 and 2.10 lack some schedules (ScheduleDualPipeV came later): one line."""
+    import torch.distributed.pipelining as pipelining
+
+    monkeypatch.delattr(pipelining, "ScheduleDualPipeV")
+    info = common.DistInfo(True, 0, 0, 2, 2, torch.device("cpu"))
+    argv = [*text_flags(small_text), "--pipeline-schedule", "dualpipev"]
+    with pytest.raises(SystemExit) as excinfo:
+        model_parallel.train(model_parallel.get_args(argv), info)
+    lacks = f"needs ScheduleDualPipeV, which PyTorch {torch.__version__} lacks"
+    assert excinfo.value.code == f"error: --pipeline-schedule dualpipev {lacks}"
+
+
+@pytest.mark.slow
+@needs_2_10
+def test_gpt_resumes_at_another_number_of_stages_and_schedule(tmp_path):
+    """A GPT checkpoint of 2 processes' GPipe (2 stages) resumes on 4 processes' interleaved
+    1F1B (8 stages, 2 per process) and ends as one process run straight through: each stage
+    takes its blocks and their AdamW moments by the whole model's names."""
+    corpus = tmp_path / "corpus.txt"  # 77 training windows: 9 steps of 8 an epoch
+    corpus.write_bytes(Path(argparse.__file__).read_bytes()[:2600])
+    argv = ["model_parallel.py", *text_flags(corpus), "--dim", "32", "--heads", "2"]
+    argv += ["--depth", "8", "--batch-size", "8", "--microbatches", "4", "--epochs", "2"]
+    argv += ["--warmup", "0", *DIST_TIMEOUT, "--output-dir"]
+    straight, out = tmp_path / "straight", tmp_path / "run"
+    run_python([*argv, straight, "--devices", "cpu"])
+    torchrun_workers(2, [*argv, out, "--pipeline-schedule", "gpipe", "--max-steps", "9"])
+    assert (load_ckpt(out)["epoch"], load_ckpt(out)["step"]) == (1, 9)
+    shutil.copytree(out, tmp_path / "stopped")
+    proc = torchrun_workers(4, [*argv, out, "--pipeline-schedule", "interleaved-1f1b"])
+    assert "resumed from" in proc.stdout and "interleaved-1f1b, 8 stages" in proc.stdout
+    expected, resumed = load_ckpt(straight), load_ckpt(out)
+    assert resumed["step"] == expected["step"] == 18
+    # Can fail: the 9 steps after the resume move the weights by more than the tolerance.
+    assert max_abs_diff(resumed["model"], load_ckpt(tmp_path / "stopped")["model"]) > 1e-3
+    assert_state_close(resumed["model"], expected["model"], atol=1e-4)
+    assert_state_close(moments(resumed), moments(expected), atol=1e-4)
+    got, want = read_metrics(out), read_metrics(straight)
+    assert [m["epoch"] for m in got] == [0, 1]
+    assert got[1]["test_loss"] == pytest.approx(want[1]["test_loss"], rel=1e-4)
