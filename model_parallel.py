@@ -246,7 +246,8 @@ def train(args, info):
     if args.batch_size % micro:
         fail(f"--microbatches {micro} does not divide --batch-size {args.batch_size} evenly")
     # Interleaved and V-shaped schedules hold several stages per process; the others, one.
-    per_rank = args.stages_per_rank or (1 if schedule_name in ("gpipe", "1f1b") else 2)
+    several = per_process and schedule_name not in ("gpipe", "1f1b")
+    per_rank = args.stages_per_rank or (2 if several else 1)
     if per_process:
         check_pipeline_schedule(schedule_name, micro, world, per_rank)
     devices = [device] * world if per_process else parse_devices(args.devices, args.device)
