@@ -153,16 +153,17 @@ class Profiler:
 
 def name_pipeline_chunks(stage):
     """Name each micro-batch's forward and backward on a torch.distributed.pipelining stage in
-    a trace ("stage1 forward mb3"; read_trace's annotations): the schedule, as it ran. Without
-    a profiler, a record_function costs about a microsecond."""
-    for kind in ("forward", "backward"):
-        run = getattr(stage, f"{kind}_one_chunk")
+    a trace ("stage1 forward mb3"; read_trace's annotations): the schedule, as it ran; "weight"
+    a zero-bubble schedule's weight gradients, apart from backward (the input's). Without a
+    profiler, a record_function costs about a microsecond."""
+    for method in ("forward", "backward", "backward_weight"):
+        run, kind = getattr(stage, f"{method}_one_chunk"), method.removeprefix("backward_")
 
         def named(chunk, *args, run=run, kind=kind, **kwargs):
             with torch.profiler.record_function(f"stage{stage.stage_index} {kind} mb{chunk}"):
                 return run(chunk, *args, **kwargs)
 
-        setattr(stage, f"{kind}_one_chunk", named)
+        setattr(stage, f"{method}_one_chunk", named)
 
 
 def read_trace(path):

@@ -152,3 +152,58 @@ def end_epoch(metrics, record):
     print0(f"epoch {record['epoch']}: {losses} {seconds}")
     if metrics:
         append_metrics(metrics, record)
+
+
+# Pipelines (model_parallel.py; any script that pipelines): a schedule by name ------------------
+# --pipeline-schedule: torch.distributed.pipelining's class. Interleaved: V stages per process in
+# a loop (stage s on rank s mod P); zbv and dualpipev: 2 per process in a V.
+PIPELINE_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",  # all forwards, then all backwards
+    "1f1b": "Schedule1F1B",  # one forward, one backward: at most P micro-batches alive
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",  # 1f1b over V stages per process
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",  # and the backward split in two
+    "zbv": "ScheduleZBVZeroBubble",  # zero bubble, 2 stages per process in a V
+    "dualpipev": "ScheduleDualPipeV",  # DeepSeek's DualPipe in a V
+}
+V_SHAPED = ("zbv", "dualpipev")
+
+
+def pipeline_stage_ids(schedule, rank, processes, per_rank):
+    """The stages `rank` holds, of processes x per_rank: in a V (zbv, dualpipev: rank r holds
+    r and 2P-1-r, so rank 0 the first and the last), else in a loop (r, r + P, ...), as
+    torchtitan's stage_ids_this_rank."""
+    if schedule in V_SHAPED:
+        return [rank, 2 * processes - 1 - rank]
+    return [rank + k * processes for k in range(per_rank)]
+
+
+def check_pipeline_schedule(schedule, microbatches, processes, per_rank):
+    """One line (common.fail) where PyTorch's schedule would not run: a class this PyTorch
+    lacks, a wrong number of stages per process, or micro-batches the schedule cannot take."""
+    import torch.distributed.pipelining as pipelining  # not at import: modes 1 and 2 run on any
+
+    name = PIPELINE_SCHEDULES[schedule]
+    if not hasattr(pipelining, name):
+        fail(
+            f"--pipeline-schedule {schedule} needs {name}, which PyTorch {torch.__version__} lacks"
+        )
+    single = schedule in ("gpipe", "1f1b")
+    if (single and per_rank != 1) or (schedule in V_SHAPED and per_rank != 2):
+        wants = "1" if single else "2 (a V)"
+        fail(f"--pipeline-schedule {schedule} places {wants} stage(s) per process, not {per_rank}")
+    stages = processes * per_rank
+    if schedule in ("1f1b", "dualpipev") and microbatches < stages:
+        fail(f"{schedule} needs --microbatches >= stages ({stages}); got {microbatches}")
+    rounds = max(1, microbatches // processes)  # interleaved: whole rounds of P micro-batches
+    if schedule.startswith("interleaved") and microbatches % rounds:
+        fail(f"{schedule}: --microbatches {microbatches} is not {rounds} rounds of {processes}")
+
+
+def pipeline_schedule(schedule, stages, microbatches, loss_fn):
+    """torch.distributed.pipelining's `schedule` over this process's stages (PipelineStages).
+    It cuts each batch into micro-batches, takes loss_fn (a mean) of each, and divides the
+    summed gradients by their number: the whole batch's mean gradient."""
+    import torch.distributed.pipelining as pipelining
+
+    kind = getattr(pipelining, PIPELINE_SCHEDULES[schedule])
+    return kind(stages[0] if schedule in ("gpipe", "1f1b") else stages, microbatches, loss_fn)

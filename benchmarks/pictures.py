@@ -7,17 +7,19 @@
 
 timelines.png: one training step per rank, compute against collectives, read from each
 script's --profile traces (a script that does not take --profile yet is skipped, and said so).
-pipeline.png: model_parallel.py's GPipe and 1F1B at 2 and 4 stages (one process each), each
-stage's forward and backward of each micro-batch as they ran, the idle time (the bubble)
-hatched. memory.png: what one rank holds under each strategy, counted from its tensors, and
-its measured peak (benchmarks/sharding.py --json). Runs write to benchmarks/runs/pictures/
-(git-ignored); --traces LABEL=DIR draws traces made elsewhere (on GPUs, say) instead.
-Needs matplotlib (requirements-dev.txt). A trace without what a picture draws (no collectives,
-no pipeline stages) is refused in one line, not drawn empty.
+pipeline.png: model_parallel.py's GPT under GPipe, 1F1B, interleaved 1F1B and ZBV on 2 and 4
+processes, each process's forwards, backwards and weight gradients of each micro-batch as they
+ran, the idle time hatched, its share measured beside the formula's. memory.png: what one rank
+holds under each strategy, counted from its tensors, and its measured peak
+(benchmarks/sharding.py --json). Runs write to benchmarks/runs/pictures/ (git-ignored);
+--traces LABEL=DIR draws traces made elsewhere (on GPUs, say) instead. Needs matplotlib
+(requirements-dev.txt). A trace without what a picture draws (no collectives, no pipeline
+stages) is refused in one line, not drawn empty.
 """
 
 import argparse
 import bisect
+import itertools
 import json
 import os
 import re
@@ -65,7 +67,7 @@ KINDS = [
     ("send/recv", ("send", "recv")),
     ("broadcast", ("broadcast",)),
 ]
-CHUNK = re.compile(r"stage(\d+) (forward|backward) mb(\d+)")
+CHUNK = re.compile(r"stage(\d+) (forward|backward|weight) mb(\d+)")
 
 
 def collective_kind(name):
@@ -172,80 +174,91 @@ def draw_timelines(runs, path):
 
 
 def pipeline_chunks(trace_dir):
-    """[(stage, [(start, end, kind, micro-batch)] of its last profiled step)], one per rank."""
-    stages = []
-    for _, trace, (start, end) in one_step(trace_dir, need_collectives=False):
+    """[(rank, [(start, end, kind, micro-batch, stage)] of its last profiled step)], one per
+    rank; kind forward, backward (a zero-bubble schedule's: the input's gradient) or weight."""
+    ranks = []
+    for rank, trace, (start, end) in one_step(trace_dir, need_collectives=False):
         chunks = []
         for s, e, name in trace["annotations"]:
             if (m := CHUNK.fullmatch(name)) and start <= s and e <= end:
-                chunks.append((s, e, m[2], int(m[3])))
-                stage = int(m[1])
+                chunks.append((s, e, m[2], int(m[3]), int(m[1])))
         if not chunks:
             fail(
                 f"{trace_dir}: no 'stageN forward mbM' ranges in the last profiled step: not a"
                 " trace of model_parallel.py under torchrun (one stage per process)"
             )
-        stages.append((stage, sorted(chunks)))
-    return sorted(stages)
+        ranks.append((rank, sorted(chunks)))
+    return ranks
+
+
+def alive_peak(chunks):
+    """{stage: the most micro-batches whose activations it held at once}: from the start of a
+    micro-batch's forward to the end of its last backward (or weight) chunk on that stage."""
+    spans = {}
+    for s, e, _, mb, stage in chunks:
+        a, b = spans.get((stage, mb), (s, e))
+        spans[stage, mb] = (min(a, s), max(b, e))
+    peaks = {}
+    for stage in {st for st, _ in spans}:
+        events = sorted(
+            (t, d) for (st, _), (a, b) in spans.items() if st == stage for t, d in ((a, 1), (b, -1))
+        )
+        peaks[stage] = max(itertools.accumulate(d for _, d in events))
+    return peaks
 
 
 def draw_pipelines(runs, path):
-    """runs: [(label, trace_dir)] of model_parallel.py under torchrun, one panel each."""
+    """runs: [(label, trace_dir)] of model_parallel.py under torchrun, one panel each: a row
+    per process, its measured idle share beside the formula's, the micro-batches each stage
+    held at once."""
     import matplotlib.pyplot as plt
 
     panels = [(label, pipeline_chunks(d)) for label, d in runs]
-    fig, axes = plt.subplots(
-        len(panels),
-        1,
-        figsize=(12, 1.2 + 0.9 * sum(map(len, dict(panels).values()))),
-        squeeze=False,
-    )
-    fig.subplots_adjust(hspace=0.7)
-    for ax, (label, stages) in zip(axes[:, 0], panels, strict=True):
-        start = min(c[0] for _, chunks in stages for c in chunks)
-        end = max(c[1] for _, chunks in stages for c in chunks)
-        busy = 0.0
-        micro = 1 + max(c[3] for _, chunks in stages for c in chunks)
-        for stage, chunks in stages:
-            y = len(stages) - 1 - stage
-            ax.broken_barh(
-                [(0, (end - start) / 1e3)],
-                (y + 0.1, 0.8),
-                facecolor="none",
-                edgecolor="0.6",
-                hatch="///",
-                linewidth=0,
-            )
-            for s, e, kind, mb in chunks:
-                color = "tab:blue" if kind == "forward" else "tab:orange"
-                ax.broken_barh([((s - start) / 1e3, (e - s) / 1e3)], (y + 0.1, 0.8), color=color)
-                ax.text(
-                    (s + e) / 2e3 - start / 1e3,
-                    y + 0.5,
-                    str(mb),
-                    ha="center",
-                    va="center",
-                    fontsize=7,
-                    color="white",
+    rows = sum(len(ranks) for _, ranks in panels)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(13, 1.6 + 1.0 * rows), squeeze=False)
+    fig.subplots_adjust(hspace=1.0)
+    colors = {"forward": "tab:blue", "backward": "tab:orange", "weight": "tab:green"}
+    for ax, (label, ranks) in zip(axes[:, 0], panels, strict=True):
+        every = [c for _, chunks in ranks for c in chunks]
+        start, end = min(c[0] for c in every), max(c[1] for c in every)
+        micro, stages = 1 + max(c[3] for c in every), 1 + max(c[4] for c in every)
+        n, busy, peaks = len(ranks), 0.0, {}
+        for rank, chunks in ranks:
+            y = n - 1 - rank
+            idle = dict(facecolor="none", edgecolor="0.6", hatch="///", linewidth=0)
+            ax.broken_barh([(0, (end - start) / 1e3)], (y + 0.1, 0.8), **idle)
+            for s, e, kind, mb, _ in chunks:
+                ax.broken_barh(
+                    [((s - start) / 1e3, (e - s) / 1e3)], (y + 0.1, 0.8), color=colors[kind]
                 )
-            busy += sum(e - s for e, s in ((c[1], c[0]) for c in chunks))
-        n = len(stages)
-        bubble = 1 - busy / (n * (end - start))
-        ideal = (n - 1) / (micro + n - 1)
+                x = (s + e) / 2e3 - start / 1e3
+                ax.text(x, y + 0.5, str(mb), ha="center", va="center", fontsize=6, color="white")
+            busy += sum(e - s for s, e, *_ in chunks)
+            peaks.update(alive_peak(chunks))
+        v = stages // n  # stages per process
+        measured, formula = 1 - busy / (n * (end - start)), (n - 1) / (v * micro + n - 1)
+        held = " ".join(str(peaks[s]) for s in range(stages))
         ax.set_title(
-            f"{label}: {n} stages, {micro} micro-batches: idle {bubble:.0%} of the schedule"
-            f" (hatched; the bubble alone, equal stages: (S-1)/(M+S-1) = {ideal:.0%})",
-            fontsize=10,
+            f"{label}: {n} processes x {v} stage(s), {micro} micro-batches: idle {measured:.0%}"
+            f" measured, {formula:.0%} by (P-1)/(VM+P-1); micro-batches held at once, per"
+            f" stage: {held}",
+            fontsize=9,
             loc="left",
         )
-        ax.set_yticks([len(stages) - 0.5 - s for s, _ in stages], [f"stage {s}" for s, _ in stages])
+        ax.set_yticks([n - 0.5 - r for r, _ in ranks], [f"rank {r}" for r, _ in ranks])
         ax.set_xlim(0, (end - start) / 1e3)
-        ax.set_ylim(0, len(stages))
+        ax.set_ylim(0, n)
+        print(
+            f"{label}, {n} processes: idle {measured:.3f} measured, {formula:.3f} formula;"
+            f" held per stage {held}",
+            flush=True,
+        )
     axes[-1, 0].set_xlabel("ms since the step's first forward (numbers: the micro-batch)")
-    names = ["forward", "backward", "idle"]
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:blue", "tab:orange")]
+    names = ["forward", "backward (zero bubble: the input's gradient)", "weight gradient", "idle"]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
     handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="none", edgecolor="0.6", hatch="///"))
-    fig.legend(handles, names, loc="lower center", bbox_to_anchor=(0.5, 0.99), ncol=3)
+    top = axes[0, 0].get_position().y1 + 0.2 / fig.get_figheight()  # just above the first
+    fig.legend(handles, names, loc="lower center", bbox_to_anchor=(0.5, top), ncol=4)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
@@ -357,14 +370,22 @@ def timeline_runs(strategies):
     return runs
 
 
+PIPELINES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "interleaved 1F1B"}
+PIPELINES["zbv"] = "zero bubble (ZBV)"
+
+
 def pipeline_runs():
+    """model_parallel.py's GPT (8 blocks of 96, 128 bytes a sample, 16 a batch in 8
+    micro-batches) under each schedule, on 2 and 4 processes."""
+    corpus = Path(argparse.__file__)  # a file of text every Python has
+    gpt = [*TEXT, "--data-dir", str(corpus), "--seq-len", "128", "--depth", "8"]
+    gpt += ["--batch-size", "16", "--microbatches", "8"]
     runs = []
     for stages in (2, 4):
-        for schedule in ("gpipe", "1f1b"):
-            argv = ["--pipeline-schedule", schedule, "--microbatches", "8", "--batch-size", "64"]
+        for schedule, label in PIPELINES.items():
             where = RUNS / f"pipeline-{schedule}-{stages}"
-            torchrun(stages, "model_parallel.py", argv, where)
-            runs.append(({"gpipe": "GPipe", "1f1b": "1F1B"}[schedule], where))
+            torchrun(stages, "model_parallel.py", [*gpt, "--pipeline-schedule", schedule], where)
+            runs.append((label, where))
     return runs
 
 

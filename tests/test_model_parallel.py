@@ -9,11 +9,13 @@ reads the same batch, the micro-batch gradients are averaged (not summed), and t
 no BatchNorm (whose statistics would depend on the micro-batch).
 """
 
+import argparse
 import copy
 import re
 import shutil
 import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,13 +32,16 @@ from conftest import (
     read_metrics,
     run_python,
     run_ranks,
+    text_flags,
     torchrun,
+    torchrun_workers,
 )
 from torch.utils.data import DataLoader
 
 import common
 import data
 import model_parallel
+import models
 import training
 
 ATOL = 1e-5
@@ -91,6 +96,11 @@ def mp_runs(tmp_path_factory):
         return runs[name]
 
     return get
+
+
+def moments(ckpt):
+    """The checkpoint's optimizer state (SGD's momentum, AdamW's moments), one flat dict."""
+    return {f"{n}.{k}": v for n, state in ckpt["optimizer"].items() for k, v in state.items()}
 
 
 def initial_model():
@@ -165,7 +175,7 @@ def test_mode_matches_one_device(mp_runs, name):
 def test_microbatches_match_naive(mp_runs):
     naive, micro = (load_ckpt(mp_runs(name)[0]) for name in ("naive", "micro-4"))
     assert_state_close(micro["model"], naive["model"], atol=ATOL)
-    assert_state_close(micro["momentum"], naive["momentum"], atol=ATOL)
+    assert_state_close(moments(micro), moments(naive), atol=ATOL)
 
 
 @pytest.fixture(scope="session")
@@ -191,7 +201,7 @@ def test_output_contract(mp_runs, initial_test_loss, name):
     model = model_parallel.build_pipeline_cnn(1, 10)
     model.load_state_dict(ckpt["model"], strict=True)
     assert list(ckpt["model"]) == list(model.state_dict())
-    assert sorted(ckpt["momentum"]) == sorted(name for name, _ in model.named_parameters())
+    assert sorted(ckpt["optimizer"]) == sorted(name for name, _ in model.named_parameters())
     assert (ckpt["epoch"], ckpt["step"]) == (0, 5)  # 5 steps of a 15-step epoch: epoch 0 again
     # Rank 0 alone prints: the mode, the split into 2 stages and one summary line.
     assert proc.stdout.count(f"mode {MODES[name]}: ") == 1
@@ -238,7 +248,7 @@ def check_resumed(out, full, proc, atol):
     expected, resumed = load_ckpt(full), load_ckpt(out)
     assert (resumed["epoch"], resumed["step"]) == (expected["epoch"], expected["step"]) == (2, 14)
     assert_state_close(resumed["model"], expected["model"], atol=atol)
-    assert_state_close(resumed["momentum"], expected["momentum"], atol=atol)
+    assert_state_close(moments(resumed), moments(expected), atol=atol)
     got, want = read_metrics(out), read_metrics(full)
     assert [m["epoch"] for m in got] == [0, 1]  # each epoch once
     assert got[1]["test_loss"] == pytest.approx(want[1]["test_loss"], abs=atol)
@@ -316,21 +326,24 @@ def test_balanced_split():
 
 
 def docstring_launches():
-    """The process count of each torchrun command in model_parallel.py's docstring."""
+    """(processes, flags) of each torchrun command in model_parallel.py's docstring."""
     doc = model_parallel.__doc__.replace("\\\n", " ")
-    for command in re.findall(r"torchrun (.*?)model_parallel\.py", doc):
+    for command in re.findall(r"torchrun (.*?model_parallel\.py[^#\n]*)", doc):
         nodes = re.search(r"--nnodes=(\d+)", command)
-        yield int(nodes[1] if nodes else 1) * int(re.search(r"--nproc_per_node=(\d+)", command)[1])
+        world = int(nodes[1] if nodes else 1) * int(
+            re.search(r"--nproc_per_node=(\d+)", command)[1]
+        )
+        yield world, command.split("model_parallel.py")[1].split()
 
 
 @needs_2_10
-def test_docstring_launches_make_a_valid_number_of_stages(no_launcher, monkeypatch):
+def test_docstring_launches_make_a_valid_number_of_stages(no_launcher, monkeypatch, tmp_path):
     """Every torchrun command in the docstring makes at most as many stages as the model has
-    layers, and the default flags pass every check for that many stages: a pretended world of
-    that size gets to building its stage (which needs the real processes)."""
-    worlds = list(docstring_launches())
-    assert len(worlds) == 2 and max(worlds) > 2  # one node, and several
-    layers = len(initial_model())
+    layers (the GPT: blocks), and its flags pass every check for that many stages: a pretended
+    world of that size gets to building its stages (which needs the real processes)."""
+    launches = list(docstring_launches())
+    assert len(launches) == 3 and max(w for w, _ in launches) > 2  # one node, and several
+    (tmp_path / "corpus.txt").write_text("def f(x):\n    return x\n" * 200)
 
     class Reached(Exception):
         pass
@@ -339,18 +352,19 @@ def test_docstring_launches_make_a_valid_number_of_stages(no_launcher, monkeypat
         raise Reached
 
     monkeypatch.setattr(model_parallel, "make_stage", make_stage)
-    for world in worlds:
-        assert 2 <= world <= layers
+    for world, flags in launches:
+        if "text" in flags:
+            flags = [*flags, "--data-dir", tmp_path / "corpus.txt", "--seq-len", "32"]
         info = common.DistInfo(True, 0, 0, world, world, torch.device("cpu"))
         with pytest.raises(Reached):
-            model_parallel.train(model_parallel.get_args(SYNTHETIC), info)
+            model_parallel.train(model_parallel.get_args([*SYNTHETIC, *map(str, flags)]), info)
 
 
 @pytest.mark.slow
 @needs_2_10
 def test_multi_node_launch_runs(tmp_path):
     """The docstring's multi-node layout (2 nodes x 2 processes) as 4 processes on one node."""
-    world = max(docstring_launches())
+    world = max(w for w, _ in docstring_launches())
     argv = ["model_parallel.py", *ARGS, "--max-steps", "2", "--output-dir", tmp_path]
     proc = torchrun(world, argv, timeout=240)
     assert f"mode 3: {world} processes (torchrun), 1f1b, {world} stages" in proc.stdout
@@ -464,3 +478,168 @@ def test_each_epoch_takes_a_new_order(no_launcher, monkeypatch):
         expected += list(DataLoader(labels, 1000, shuffle=True, drop_last=True, generator=g))
     assert len(seen) == 4 and not torch.equal(seen[2], seen[0])
     assert all(torch.equal(a, b) for a, b in zip(seen, expected, strict=True))
+
+
+# The GPT through every schedule (tests/pp_probe.py): 3 AdamW steps of 16 sequences of 32
+# bytes in 8 micro-batches, 8 blocks (8 stages at 4 processes x 2). --lr 0.05, not 0.2: with
+# GPT-2's small weights Adam's full steps at 0.2 amplify rounding past 1e-4.
+GPT_ARGS = ["--dim", "32", "--heads", "2", "--depth", "8", "--batch-size", "16", "--warmup", "0"]
+GPT_ARGS += ["--lr", "0.05", "--max-steps", "3", "--microbatches", "8", *DIST_TIMEOUT]
+SCHEDULES = list(training.PIPELINE_SCHEDULES)
+
+
+def gpt_probe(tmp_path, corpus, nproc, schedules):
+    """pp_probe.py's reports {schedule: (per-step losses, per-step gradients by name, output
+    directory)}: one process (schedules ["one"], the unsplit GPT) or nproc, every schedule in
+    turn in the same processes."""
+    argv = ["tests/pp_probe.py", tmp_path, ",".join(schedules), "--", *text_flags(corpus)]
+    argv += [*GPT_ARGS, *(["--devices", "cpu"] if nproc == 1 else [])]
+    run_python(argv) if nproc == 1 else torchrun_workers(nproc, argv, timeout=400)
+    reports = {}
+    for name in schedules:
+        ranks = [torch.load(tmp_path / f"{name}.rank{r}.pt") for r in range(nproc)]
+        [losses] = [r["losses"] for r in ranks if r["losses"][0] is not None]  # the last stage's
+        grads = [{k: v for r in ranks for k, v in r["grads"][step].items()} for step in range(3)]
+        reports[name] = losses, grads, tmp_path / name
+    return reports
+
+
+@pytest.fixture(scope="module")
+def gpt_one(tmp_path_factory, small_text):
+    return gpt_probe(tmp_path_factory.mktemp("gpt_one"), small_text, 1, ["one"])["one"]
+
+
+def parity(report, reference):
+    """(worst loss difference, worst gradient difference over its norm, test loss relative
+    difference) of a pipelined run against one process."""
+    (losses, grads, out), (ref_losses, ref_grads, ref_out) = report, reference
+    assert len(losses) == len(ref_losses) == 3
+    loss = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
+    grad = 0.0
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert got.keys() == want.keys()  # every parameter, once
+        grad = max(grad, *((got[k] - w).abs().max() / w.norm() for k, w in want.items()))
+    [test], [ref_test] = read_metrics(out), read_metrics(ref_out)
+    return loss, float(grad), abs(test["test_loss"] / ref_test["test_loss"] - 1)
+
+
+def check_schedules(reports, reference, corpus):
+    figures = {name: parity(report, reference) for name, report in reports.items()}
+    print(figures)  # -s shows them
+    # Can fail: 3 steps move the loss and gradients far beyond the tolerances.
+    assert abs(reference[0][0] - reference[0][-1]) > 1e-2
+    for name, (loss, grad, test) in figures.items():
+        assert loss < 1e-5 and grad < 1e-4 and test < 1e-4, (name, loss, grad, test)
+    # Exact evaluation: each schedule's test loss is one process's on its checkpoint's weights,
+    # over every held-out byte (24 windows, the last batch of 16 padded).
+    _, test_set, _, _ = data.load_datasets("text", corpus, seq_len=32)
+    for name, (_, _, out) in reports.items():
+        model = models.GPT(256, 32, 32, 8, 2)
+        model.load_state_dict(load_ckpt(out)["model"])
+        loader = DataLoader(test_set, 16, collate_fn=data.collate)
+        loss, acc = training.evaluate(model, loader, torch.device("cpu"))
+        [metrics] = read_metrics(out)
+        assert metrics["schedule"] == name  # the schedule asked for ran
+        assert metrics["test_loss"] == pytest.approx(loss, rel=1e-6), name
+        assert metrics["test_acc"] == pytest.approx(acc, abs=1e-9), name
+    assert len(test_set) % 16
+
+
+@needs_2_10
+def test_gpt_every_schedule_on_two_processes_takes_one_process_steps(gpt_one, tmp_path, small_text):
+    """Every schedule on 2 processes (interleaved, V: 4 stages), one launch: each step's loss,
+    every gradient, the test loss and its exact evaluation are one process's."""
+    check_schedules(gpt_probe(tmp_path, small_text, 2, SCHEDULES), gpt_one, small_text)
+
+
+@pytest.mark.slow
+@needs_2_10
+def test_gpt_every_schedule_on_four_processes_takes_one_process_steps(
+    gpt_one, tmp_path, small_text
+):
+    """The same on 4 processes: 4 stages, 8 interleaved or in a V."""
+    check_schedules(gpt_probe(tmp_path, small_text, 4, SCHEDULES), gpt_one, small_text)
+
+
+@pytest.mark.parametrize(
+    "flags, world, words",
+    [
+        (["--stages-per-rank", "2"], 2, "1f1b places 1 stage(s) per process, not 2"),
+        (["--pipeline-schedule", "zbv", "--stages-per-rank", "3"], 2, "2 (a V) stage(s) per"),
+        (["--pipeline-schedule", "dualpipev", "--microbatches", "2"], 2, ">= stages (4); got 2"),
+        (
+            [
+                "--pipeline-schedule",
+                "interleaved-1f1b",
+                "--batch-size",
+                "20",
+                "--microbatches",
+                "5",
+            ],
+            2,
+            "interleaved-1f1b: --microbatches 5 is not 2 rounds of 2",
+        ),
+        (
+            ["--pipeline-schedule", "interleaved-zb"],
+            4,
+            "8 stages for a model of 4 blocks: at most 4",
+        ),
+        (["--stages-per-rank", "2"], 1, "--stages-per-rank is for torchrun"),
+        (["--data", "synthetic"], 1, "--model gpt does not train on --data synthetic"),
+    ],
+)
+@needs_2_10
+def test_bad_pipeline_input(no_launcher, tmp_path, small_text, flags, world, words):
+    """The GPT's pipelines: one line, nothing written, before any collective (a pretended
+    world size tests them without its processes)."""
+    info = common.DistInfo(world > 1, 0, 0, world, world, torch.device("cpu"))
+    argv = [*text_flags(small_text), *flags, "--output-dir", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as excinfo:
+        model_parallel.train(model_parallel.get_args(argv), info)
+    message = excinfo.value.code
+    assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message
+    assert words in message, message
+    assert not (tmp_path / "out").exists()
+
+
+@needs_2_10
+def test_a_schedule_this_pytorch_lacks_is_one_line(no_launcher, monkeypatch, small_text):
+    """PyTorch 2.9 and 2.10 lack some schedules (ScheduleDualPipeV came later): one line."""
+    import torch.distributed.pipelining as pipelining
+
+    monkeypatch.delattr(pipelining, "ScheduleDualPipeV")
+    info = common.DistInfo(True, 0, 0, 2, 2, torch.device("cpu"))
+    argv = [*text_flags(small_text), "--pipeline-schedule", "dualpipev"]
+    with pytest.raises(SystemExit) as excinfo:
+        model_parallel.train(model_parallel.get_args(argv), info)
+    lacks = f"needs ScheduleDualPipeV, which PyTorch {torch.__version__} lacks"
+    assert excinfo.value.code == f"error: --pipeline-schedule dualpipev {lacks}"
+
+
+@pytest.mark.slow
+@needs_2_10
+def test_gpt_resumes_at_another_number_of_stages_and_schedule(tmp_path):
+    """A GPT checkpoint of 2 processes' GPipe (2 stages) resumes on 4 processes' interleaved
+    1F1B (8 stages, 2 per process) and ends as one process run straight through: each stage
+    takes its blocks and their AdamW moments by the whole model's names."""
+    corpus = tmp_path / "corpus.txt"  # 77 training windows: 9 steps of 8 an epoch
+    corpus.write_bytes(Path(argparse.__file__).read_bytes()[:2600])
+    argv = ["model_parallel.py", *text_flags(corpus), "--dim", "32", "--heads", "2"]
+    argv += ["--depth", "8", "--batch-size", "8", "--microbatches", "4", "--epochs", "2"]
+    argv += ["--warmup", "0", *DIST_TIMEOUT, "--output-dir"]
+    straight, out = tmp_path / "straight", tmp_path / "run"
+    run_python([*argv, straight, "--devices", "cpu"])
+    torchrun_workers(2, [*argv, out, "--pipeline-schedule", "gpipe", "--max-steps", "9"])
+    assert (load_ckpt(out)["epoch"], load_ckpt(out)["step"]) == (1, 9)
+    shutil.copytree(out, tmp_path / "stopped")
+    proc = torchrun_workers(4, [*argv, out, "--pipeline-schedule", "interleaved-1f1b"])
+    assert "resumed from" in proc.stdout and "interleaved-1f1b, 8 stages" in proc.stdout
+    expected, resumed = load_ckpt(straight), load_ckpt(out)
+    assert resumed["step"] == expected["step"] == 18
+    # Can fail: the 9 steps after the resume move the weights by more than the tolerance.
+    assert max_abs_diff(resumed["model"], load_ckpt(tmp_path / "stopped")["model"]) > 1e-3
+    assert_state_close(resumed["model"], expected["model"], atol=1e-4)
+    assert_state_close(moments(resumed), moments(expected), atol=1e-4)
+    got, want = read_metrics(out), read_metrics(straight)
+    assert [m["epoch"] for m in got] == [0, 1]
+    assert got[1]["test_loss"] == pytest.approx(want[1]["test_loss"], rel=1e-4)

@@ -59,10 +59,11 @@ def test_pipeline_picture_from_model_parallel_stages_and_none_from_a_ddp_trace(d
     trace = tmp_path / "1f1b"
     argv = ["model_parallel.py", *SYNTHETIC, "--max-steps", "6", "--batch-size", "16"]
     torchrun_workers(2, [*argv, "--microbatches", "4", "--profile", trace])
-    stages = pictures.pipeline_chunks(trace)
-    assert [stage for stage, _ in stages] == [0, 1]
-    for _, chunks in stages:
-        assert sorted((kind, mb) for _, _, kind, mb in chunks) == sorted(
+    ranks = pictures.pipeline_chunks(trace)
+    assert [rank for rank, _ in ranks] == [0, 1]
+    for rank, chunks in ranks:
+        assert {stage for *_, stage in chunks} == {rank}  # 1f1b: stage r on rank r
+        assert sorted((kind, mb) for _, _, kind, mb, _ in chunks) == sorted(
             (kind, mb) for kind in ("backward", "forward") for mb in range(4)
         )
     run_python([PICTURES, "--only", "pipeline", "--traces", f"1F1B={trace}", "--out", tmp_path])

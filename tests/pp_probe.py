@@ -1,0 +1,86 @@
+"""Run model_parallel.py's main() once per pipeline schedule, in the same processes, with
+instruments: `python tests/pp_probe.py REPORTS SCHEDULE[,SCHEDULE...] -- ARGS` (one process:
+the schedule "one", ARGS naming --devices). Each run writes REPORTS/SCHEDULE (its
+--output-dir) and REPORTS/SCHEDULE.rank{RANK}.pt: per optimizer step, the mean of the training
+losses this rank's last stage took (one per micro-batch; None on other ranks) and every
+gradient this rank steps, by the whole model's names, as the optimizer is about to step."""
+
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import model_parallel  # noqa: E402
+
+reports, schedules = sys.argv[1], sys.argv[2].split(",")
+argv = sys.argv[sys.argv.index("--") + 1 :]
+seen, pending, names = dict(losses=[], grads=[]), [], {}
+real_loss, real_groups = model_parallel.loss_fn, model_parallel.param_groups
+real_adamw, real_cleanup = torch.optim.AdamW, model_parallel.cleanup
+
+
+def loss_fn(logits, labels):
+    loss = real_loss(logits, labels)
+    # Training's losses: not evaluation's, nor those of the stage's shape inference (on
+    # uninitialised tensors, before the first step).
+    inferring = any(f.name.endswith("_metadata_inference") for f in traceback.extract_stack())
+    if not evaluating and not inferring:
+        pending.append(loss.item())
+    return loss
+
+
+def param_groups(modules, weight_decay):  # the stages' parameters by the whole model's names
+    names.update({id(p): n.split(".", 1)[1] for n, p in modules.named_parameters()})
+    return real_groups(modules, weight_decay)
+
+
+def adamw(groups, *args, **kwargs):
+    optimizer = real_adamw(groups, *args, **kwargs)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def before_step(*_):
+        seen["grads"].append({names[id(p)]: p.grad.clone() for p in params})
+        seen["losses"].append(sum(pending) / len(pending) if pending else None)
+        pending.clear()
+
+    optimizer.register_step_pre_hook(before_step)
+    return optimizer
+
+
+def evaluate_stages(*args):
+    evaluating.append(True)
+    try:
+        return real_evaluate(*args)
+    finally:
+        evaluating.clear()
+
+
+evaluating, real_evaluate = [], model_parallel.evaluate_stages
+model_parallel.loss_fn, model_parallel.param_groups = loss_fn, param_groups
+model_parallel.evaluate_stages = evaluate_stages
+torch.optim.AdamW = adamw
+
+
+def init_once(**kwargs):  # one process group for every run: no rendezvous between runs
+    if not group:
+        group.append(real_init(**kwargs))
+    return group[0]
+
+
+group, real_init = [], model_parallel.init_distributed_mode
+model_parallel.init_distributed_mode = init_once
+for schedule in schedules:
+    seen["losses"], seen["grads"] = [], []
+
+    def report(schedule=schedule):  # main()'s cleanup, which ends with a barrier
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        torch.save(dict(seen), os.path.join(reports, f"{schedule}.rank{rank}.pt"))
+
+    model_parallel.cleanup = report
+    flags = [] if schedule == "one" else ["--pipeline-schedule", schedule]
+    model_parallel.main([*argv, *flags, "--output-dir", os.path.join(reports, schedule)])
+real_cleanup()
