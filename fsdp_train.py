@@ -210,8 +210,7 @@ def main(argv=None):
 
         # The optimizer, made after fully_shard: it holds (and steps) the local shards only.
         lr = args.lr * global_batch / 256
-        groups = param_groups(model, args.weight_decay)  # no decay on biases, norms, tables
-        optimizer = torch.optim.AdamW(groups, lr)
+        optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr)  # GPT-2's
 
         # Resume: rank 0 finds the checkpoint and checks its meta.pt; every rank reads the parts
         # of the saved shards that make up its own, whatever the number of processes that

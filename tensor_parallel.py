@@ -194,8 +194,7 @@ def main(argv=None):
 
         # The optimizer, made after the split: it holds (and steps) this process's pieces.
         lr = args.lr * global_batch / 256
-        groups = param_groups(model, args.weight_decay)  # no decay on biases, norms, tables
-        optimizer = torch.optim.AdamW(groups, lr)
+        optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr)  # GPT-2's
 
         # Resume, as in fsdp_train.py: rank 0 finds and checks the checkpoint; every rank reads
         # the parts of the saved pieces that make up its own, at any degree (all participate).
