@@ -304,3 +304,26 @@ def test_the_scripts_decay_no_embedding_row(dense):
     start, end = initial()["embed.weight"], whole(out)["embed.weight"]
     assert torch.equal(end[128:], start[128:])
     assert not torch.equal(end[:128], start[:128])
+
+
+def test_a_resumed_optimizer_keeps_this_runs_settings_group_by_group():
+    """checkpoint.TrainState: the saved moments load into this run's optimizer, whose groups
+    keep their own settings (a new --lr and --weight-decay; the no-decay group at 0), not the
+    saved ones nor AdamW's defaults."""
+    import checkpoint
+
+    def run(lr, decay):
+        models.seed_everything(0)
+        gpt = models.GPT(256, SEQ, 32, depth=1, heads=2)
+        return gpt, torch.optim.AdamW(models.param_groups(gpt, decay), lr)
+
+    gpt, optimizer = run(1e-3, 0.1)
+    gpt(torch.zeros(1, SEQ, dtype=torch.long)).sum().backward()
+    optimizer.step()
+    saved = checkpoint.TrainState(gpt, optimizer).state_dict()
+    gpt, optimizer = run(5e-3, 0.2)
+    checkpoint.TrainState(gpt, optimizer).load_state_dict(saved)
+    settings = [(g["lr"], g["weight_decay"]) for g in optimizer.param_groups]
+    assert settings == [(5e-3, 0.2), (5e-3, 0.0)]
+    moments = [optimizer.state[p]["exp_avg"] for p in gpt.parameters()]
+    assert all(m.any() for m in moments[:1]) and len(moments) == len(list(gpt.parameters()))
