@@ -141,7 +141,8 @@ def three_ranks(tmp_path_factory):
 def test_each_rank_holds_a_third_of_every_parameter_and_of_the_optimizer_state(three_ranks):
     reports = {rank: report["shapes"] for rank, report in three_ranks[0].items()}
     assert sorted(reports) == [0, 1, 2]
-    params = list(models.build_model("vit", 1, 10).parameters())
+    groups = models.param_groups(models.build_model("vit", 1, 10), 0.05)  # AdamW's order
+    params = [p for group in groups for p in group["params"]]
     held = 0
     for rank, shapes in reports.items():
         assert [whole for whole, _, _ in shapes] == [list(p.shape) for p in params]
@@ -389,7 +390,8 @@ def test_hsdp_2_by_2_trains_as_one_process_and_each_rank_holds_half(tmp_path, re
     """4 processes as 2 replicas of 2 shards: each rank holds its replica's half of every
     parameter and of both AdamW moments, and the steps are one process's."""
     seen, out = run_probe("shards", 4, tmp_path, "--replicate", "2")
-    params = list(models.build_model("vit", 1, 10).parameters())
+    groups = models.param_groups(models.build_model("vit", 1, 10), 0.05)  # AdamW's order
+    params = [p for group in groups for p in group["params"]]
     assert sorted(seen) == [0, 1, 2, 3]
     for rank, report in seen.items():
         for p, (shape, local, state) in zip(params, report["shapes"], strict=True):
