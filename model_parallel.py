@@ -90,7 +90,7 @@ def get_args(argv=None):
     add("--microbatches", type=int, help="pieces per batch (default: 1; 8 under torchrun)")
     add("--pipeline-schedule", default="1f1b", choices=PIPELINE_SCHEDULES, help="mode 3's order")
     add("--stages-per-rank", type=int, help="mode 3: stages per process (interleaved, V: 2)")
-    peak = "peak rate per 256 samples of the batch (SGD 0.2; text: AdamW 0.05)"
+    peak = "peak rate per 256 samples of the batch (SGD 0.2; text: AdamW 0.1)"
     add("--lr", type=float, help=peak)
     add("--momentum", type=float, default=0.9, help="SGD (Nesterov) momentum (the CNN)")
     add("--weight-decay", type=float, help="SGD's L2 penalty 5e-4; text: AdamW's 0.05")
@@ -105,7 +105,7 @@ def get_args(argv=None):
     add_flags(p)  # --profile DIR, --peak-tflops (profiling.py)
     args = p.parse_args(argv)
     text = args.data == TEXT
-    defaults = dict(epochs=(5, 1), batch_size=(128, 16), lr=(0.2, 0.05), weight_decay=(5e-4, 0.05))
+    defaults = dict(epochs=(5, 1), batch_size=(128, 16), lr=(0.2, 0.1), weight_decay=(5e-4, 0.05))
     for name, (image, sequence) in defaults.items():  # the same defaults as training.py's
         if getattr(args, name) is None:
             setattr(args, name, sequence if text else image)
