@@ -145,14 +145,14 @@ def torchrun(nproc, args, timeout=180, check=True):
     return run_python(launcher + list(args), timeout=timeout, check=check)
 
 
-def torchrun_workers(nproc, args, timeout=180, check=True):
+def torchrun_workers(nproc, args, timeout=180, check=True, cwd=ROOT):
     """nproc plain processes with the variables torchrun gives its workers (RANK, WORLD_SIZE,
     LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; OMP_NUM_THREADS=1): the processes
     of torchrun --standalone without its agent, forked by the fork server where torchrun's
     workers start fresh interpreters (0.5 s against 5-6 s a launch here). For tests of what
     the processes compute; what torchrun adds (its store, restarts, tearing down the others
-    when one fails) is tested under real torchrun: test_launch.py, test_faults.py, the
-    docstring commands, test_scripts.py."""
+    when one fails) is tested under real torchrun: test_launch.py, test_faults.py,
+    test_scripts.py, the docstring commands that give torchrun options of its own."""
     for attempt in range(2):
         port = free_port()
         envs = [
@@ -160,7 +160,7 @@ def torchrun_workers(nproc, args, timeout=180, check=True):
             | dict(LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             for r in range(nproc)
         ]
-        results = run_ranks(args, envs, timeout=timeout, check=False)
+        results = run_ranks(args, envs, timeout=timeout, check=False, cwd=cwd)
         taken = any("EADDRINUSE" in r.stderr for r in results)  # another process took it first
         if not taken or attempt:
             break
@@ -171,13 +171,13 @@ def torchrun_workers(nproc, args, timeout=180, check=True):
     return subprocess.CompletedProcess(results[0].args, code, out, err)
 
 
-def run_ranks(args, envs, timeout=180, check=True):
+def run_ranks(args, envs, timeout=180, check=True, cwd=ROOT):
     """Start one `python ARGS` per environment in `envs` (one per rank) and wait for all. `args`
     is one command line for every rank, or a list of them, one per rank. Raises with every
     rank's output if one fails (unless check=False); a hung rank is killed at the timeout."""
     argvs = args if isinstance(args[0], list) else [args] * len(envs)
     cmds = [[sys.executable, *map(str, a)] for a in argvs]
-    procs = [popen(cmd, env=env) for cmd, env in zip(cmds, envs, strict=True)]
+    procs = [popen(cmd, cwd, env) for cmd, env in zip(cmds, envs, strict=True)]
     results = []
     try:
         for p in procs:
