@@ -85,6 +85,7 @@ def test_input_pipeline_benchmark_iterates_ddp_train_loader():
     assert result["batches"] == 15 and result["batch_size"] == 64 and result["ms_per_batch"] > 0
 
 
+@pytest.mark.slow
 def test_sharding_benchmark_counts_what_each_rank_holds():
     proc = run_python(
         ["benchmarks/sharding.py", "--worlds", "2", "--models", "mlp", "--steps", "1"]

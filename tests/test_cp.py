@@ -234,6 +234,7 @@ def test_ring_equals_allgather_and_what_each_sends_and_saves(tmp_path):
     assert gather["activations"] - ring["activations"] == kv_half, report
 
 
+@pytest.mark.slow
 def test_resume_at_another_degree_ends_where_one_run_ends(tmp_path):
     """On TRAIN samples (2 steps an epoch): CP 2 (ring) stops after 3 of 4 steps, in epoch 1;
     2 x 2 (all-gather) goes on from its shards with epoch 1's next batch (its order, its
@@ -420,6 +421,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_causal_ring_computes_what_it_must_balances_and_sends_bf16(tmp_path):
     """The causal ring at CP 2 (two groups) and CP 4, both balances, a batch of 2 x 2 heads x 32
     tokens x 8: each rank's output and gradients equal one process's causal attention at its

@@ -203,6 +203,7 @@ def test_two_replicas_of_ep2_take_the_steps_of_one_process(tmp_path, reference):
     assert_each_rank_holds_its_experts(run, 2)
 
 
+@pytest.mark.slow
 def test_resume_at_another_degree_ends_where_one_run_ends(tmp_path, reference):
     """EP 2 stops after 2 of 4 steps; EP 4 goes on from its pieces (the experts re-placed),
     mid-epoch, and ends with the weights of the uninterrupted single process."""

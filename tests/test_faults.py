@@ -302,6 +302,7 @@ def test_mp_spawn_child_killed_ends_job_and_rerun_resumes(tmp_path):
     assert max_abs_diff(ends[0]["model"], ends[1]["model"]) < 1e-6
 
 
+@pytest.mark.slow
 def test_mid_epoch_resume_equals_an_uninterrupted_run(tmp_path, plain_process):
     """Stopping inside an epoch (--max-steps here) and resuming gives bit-for-bit the weights
     of a run that never stopped: the checkpoint records the position inside the epoch, and the
@@ -346,6 +347,7 @@ def test_sampler_skip_leaves_out_exactly_the_trained_samples():
     assert list(part) == list(full)[16:] and len(part) == 50 - 16
 
 
+@pytest.mark.slow
 def test_mid_epoch_snapshot_resumes_at_another_world_size(tmp_path, plain_process):
     """One process stops inside epoch 0; two processes shard the epoch differently, so they
     start epoch 0 again (documented in ddp_train.py) and finish the run."""
@@ -391,6 +393,7 @@ checkpoint.save_checkpoint({"model": {"w": torch.ones(1_000_000)}, "tag": "new"}
 """
 
 
+@pytest.mark.slow
 def test_process_killed_while_saving_leaves_previous_checkpoint(tmp_path):
     path = tmp_path / "checkpoint.pt"
     proc = run([sys.executable, "-c", KILLED_WHILE_SAVING, path], PYTHONPATH=str(ROOT))
@@ -414,6 +417,7 @@ class WritesFile:
         return open, (self.path, "w")
 
 
+@pytest.mark.slow
 def test_malicious_checkpoint_is_refused_without_running_code(tmp_path):
     marker = tmp_path / "pwned"
     bad = tmp_path / "bad.pt"
@@ -456,6 +460,7 @@ def test_unwritable_output_dir_is_refused_at_start_up(tmp_path, plain_process):
     assert "not writable" in message
 
 
+@pytest.mark.slow
 def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, plain_process, monkeypatch):
     """A disk that fills up while the checkpoint is written: one line, exit 1, the previous
     checkpoint whole and no temporary file left behind."""
@@ -586,6 +591,7 @@ torch.nn.functional.cross_entropy = cross_entropy
         ),
     ],
 )
+@pytest.mark.slow
 def test_every_rank_stops_at_the_first_non_finite_step_one_rank_saw(script, argv, spreads, error):
     """The ranks check the all-reduced loss totals, not their own: when rank 1 alone sees a
     non-finite loss, rank 0 stops at the same check (a rank stopping alone would leave the
@@ -632,6 +638,7 @@ def test_peer_that_stops_answering_ends_the_job_within_the_timeout(tmp_path):
 # Bad input: one line, non-zero exit, nothing written
 
 
+@pytest.mark.slow
 def test_missing_data_from_the_command_line(tmp_path):
     """The command-line form of a bad-input failure: exit status 1 and one line on stderr."""
     out = tmp_path / "out"

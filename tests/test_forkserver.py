@@ -48,6 +48,7 @@ def run(args, env, cwd, fresh=False):
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("end", ENDS)
 def test_a_forked_child_sees_and_ends_as_a_fresh_interpreter(end, tmp_path):
     code, last, threads = ENDS[end]
@@ -62,6 +63,7 @@ def test_a_forked_child_sees_and_ends_as_a_fresh_interpreter(end, tmp_path):
     assert forked.stderr.splitlines()[1:] == fresh.stderr.splitlines()[1:]  # [0]: random
 
 
+@pytest.mark.slow
 def test_python_c_runs_as_in_a_fresh_interpreter_and_draws_its_own_random_numbers(tmp_path):
     code, last, _ = ENDS["raises"]
     probe, env = PROBE.replace("{end}", last), clean_env(PROBE_VALUE="x")
@@ -91,6 +93,7 @@ def test_a_variable_read_when_torch_starts_gets_a_fresh_interpreter(monkeypatch)
         proc.communicate()
 
 
+@pytest.mark.slow
 def test_a_forked_training_run_equals_a_fresh_one(tmp_path):
     """ddp_train.py, forked and fresh: the same weights bit for bit, the same log but for the
     timings."""

@@ -189,6 +189,7 @@ def test_activation_checkpointing_trains_the_same(tmp_path, references):
     assert_same_training(out, references["vit"], "vit")
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # pytest resets the filters
 def test_recomputation_leaves_batchnorm_statistics_as_one_forward_does(tmp_path, no_launcher):
     """--checkpoint-activations runs each ResNet stage's forward again in backward: its
@@ -402,6 +403,7 @@ def test_hsdp_2_by_2_trains_as_one_process_and_each_rank_holds_half(tmp_path, re
     assert_same_training(out, references["vit"], "vit")
 
 
+@pytest.mark.slow
 def test_resume_at_other_numbers_of_processes_and_with_hsdp_is_exact(tmp_path, references):
     """FSDP on 2 processes stops after 2 of 5 steps, HSDP 2 x 2 goes on from its shards,
     mid-epoch, to step 4, FSDP on 3 processes does the last: the weights of the uninterrupted
@@ -466,6 +468,7 @@ def test_bf16_trains_every_model_with_batchnorm(tmp_path, model):
     assert read_metrics(out)[-1]["train_loss"] == pytest.approx(loss.item(), abs=2e-2)
 
 
+@pytest.mark.slow
 def test_each_epoch_takes_a_new_order_and_the_global_batches_of_one_process(tmp_path):
     """The MLP over 2 epochs of 5 steps (global batch 400): every epoch a new permutation,
     and each step's samples over both ranks those of one process's step; its losses, weights."""
@@ -499,6 +502,7 @@ def test_memory_benchmark_counts_the_shards_and_measures_each_rank(tmp_path):
     assert all(r["peak_kb"] > 0 and r["build_kb"] >= 0 for r in rows["fsdp"]["ranks"])
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_other_heads_or_depth_is_one_line(tmp_path):
     """--heads does not show in the weights' shapes, so resume checks it apart: a checkpoint
     of 2 heads resumed with 4 is one line, no traceback (it would train on, silently)."""

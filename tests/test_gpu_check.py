@@ -42,6 +42,7 @@ child_waits()
 """
 
 
+@pytest.mark.slow
 def test_a_stalled_command_is_stopped_with_its_tree_and_its_stacks():
     t0 = time.monotonic()
     cmd = [sys.executable, "-c", PARENT, CHILD]
@@ -58,6 +59,7 @@ def test_a_stalled_command_is_stopped_with_its_tree_and_its_stacks():
     assert not check.alive(child), "the child, in a session of its own, outlived the stop"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not check.native_tool(), reason="neither py-spy nor gdb is installed")
 def test_a_stalled_command_leaves_its_native_stacks_after_its_python_ones():
     """Where a debugger is installed, each stalled process's native stacks (py-spy or gdb) are
@@ -73,6 +75,7 @@ def test_a_stalled_command_leaves_its_native_stacks_after_its_python_ones():
     assert not check.alive(child)
 
 
+@pytest.mark.slow
 def test_a_bounded_command_inside_a_bounded_command_keeps_its_stacks(tmp_path):
     """tests/test_gpu.py's runs under check.py's phase f have two of the check's sitecustomize
     on PYTHONPATH: the inner one arms the stacks and runs the hidden one, which runs no other
@@ -146,6 +149,7 @@ def assert_files_come_back(out):
     assert not [p for p in out.rglob("*") if p.is_dir()], "the check writes no folders"
 
 
+@pytest.mark.slow
 def test_a_stalled_phase_is_stopped_reported_and_the_check_goes_on(tmp_path):
     """Phases a and e stalled on purpose with a bound of 3 s each: both stopped at it, both
     reported as timed out with their stacks, and the check ends in seconds."""
@@ -208,6 +212,7 @@ def test_the_dry_mode_runs_every_phase_on_the_cpu(tmp_path):
     assert_files_come_back(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_check_stopped_from_outside_stops_what_it_runs(tmp_path):
     """SIGTERM to the check (the device tool's own timeout, say) stops the commands it runs,
     which are in sessions of their own, out of the tool's reach; their stacks are kept."""

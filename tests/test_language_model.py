@@ -243,6 +243,7 @@ def test_text_defaults_to_the_standard_library_and_refuses_bad_input(tmp_path):
         data.load_datasets("text", str(tmp_path), seq_len=8)
 
 
+@pytest.mark.slow
 def test_the_gpt_is_causal_and_samples_text():
     """A position's logits do not change with the bytes after it; they do with those before.
     generate() continues a prompt with the seq_len bytes before each new one, reproducibly."""

@@ -127,6 +127,7 @@ def test_it_says_what_it_hands_to_the_collectives(tmp_path, flags, share):
     assert says_it_sends(proc) == pytest.approx(share * MLP_BYTES, abs=100)
 
 
+@pytest.mark.slow
 def test_local_sgd_averages_every_k_steps_and_sends_1_over_k(tmp_path):
     start, k, steps = 4, 4, 16
     flags = ["--local-sgd-period", k, "--local-sgd-start", start, "--log-every", 1000]

@@ -32,6 +32,7 @@ def ddp_trace(tmp_path_factory):
     return trace
 
 
+@pytest.mark.slow
 def test_timeline_of_a_ddp_step_and_no_picture_without_collectives(ddp_trace, tmp_path):
     ranks = pictures.one_step(ddp_trace)
     assert [rank for rank, _, _ in ranks] == [0, 1]
@@ -52,6 +53,7 @@ def test_timeline_of_a_ddp_step_and_no_picture_without_collectives(ddp_trace, tm
 OLD_TORCH = tuple(map(int, torch.__version__.split(".")[:2])) < (2, 10)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(OLD_TORCH, reason="model_parallel.py's one stage per process: 2.10+")
 def test_pipeline_picture_from_model_parallel_stages_and_none_from_a_ddp_trace(ddp_trace, tmp_path):
     """Two stages of 1F1B, 4 micro-batches: each stage's trace names the forward and the

@@ -157,6 +157,7 @@ def profiled_run(out, profile=None):
     return torchrun_workers(2, argv)
 
 
+@pytest.mark.slow
 def test_profile_writes_a_trace_per_rank_and_training_is_unchanged(tmp_path):
     proc = profiled_run(tmp_path / "profiled", tmp_path / "trace")
     profiled_run(tmp_path / "plain")
@@ -209,6 +210,7 @@ def test_a_run_shorter_than_the_window_says_so_and_writes_nothing(tmp_path):
     assert list((tmp_path / "trace").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_an_unwritable_profile_dir_is_one_line_on_every_rank(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     out = tmp_path / "out"
@@ -258,6 +260,7 @@ SLOW_ONES = ("ddp_mp_spawn.py", "finetune.py")  # fresh interpreters (mp.spawn);
     "script",
     ["dp_train.py", "ddp_comm.py", *(pytest.param(s, marks=SLOW) for s in SLOW_ONES)],
 )
+@pytest.mark.slow
 def test_every_copy_profiles_and_logs_its_flop_rate(tmp_path, script):
     """The other scripts of the DDP family take --profile and log flops_per_second like
     ddp_train.py (model_parallel.py's traces: test_pictures.py)."""

@@ -124,6 +124,7 @@ def test_static_int8_for_every_model(name):
     assert torch.nn.functional.cosine_similarity(actual.flatten(), expected.flatten(), dim=0) > 0.98
 
 
+@pytest.mark.slow
 def test_without_checkpoint_trains_first(tmp_path):
     # In this process (no second torch import): the MLP, where dynamic int8 converts nearly all.
     json_path = tmp_path / "q.json"
@@ -184,6 +185,7 @@ def test_bad_input(tmp_path, make, flags, words):
     assert not out.exists() and not json_path.exists()
 
 
+@pytest.mark.slow
 def test_json_and_output_dir_into_missing_folders(tmp_path):
     """The docstring's `--json runs/q/results.json --output-dir runs/q` on a fresh clone: both
     folders are made, as the training scripts make theirs."""

@@ -258,6 +258,7 @@ def test_checkpoints_of_one_schedule_pass_between_the_scripts(no_launcher, tmp_p
 @pytest.mark.parametrize(
     "change", [["--batch-size", "125"], ["--seed", "1"]], ids=["batch", "seed"]
 )
+@pytest.mark.slow
 def test_mid_epoch_resume_with_another_sample_order_starts_the_epoch_again(
     no_launcher, tmp_path, capsys, change
 ):
@@ -271,6 +272,7 @@ def test_mid_epoch_resume_with_another_sample_order_starts_the_epoch_again(
     assert "at epoch 0, step 0 of 16" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_rerun_with_nothing_left_to_do_keeps_the_metrics(no_launcher, tmp_path):
     """--max-steps 20 twice (15 steps per epoch): the second run finds step 20 already done and
     trains nothing, so the line of the partial epoch 1 stays (only a run that trains it again

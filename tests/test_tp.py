@@ -238,6 +238,7 @@ def test_each_rank_holds_its_part_of_every_split_weight(tp2):
     assert halves == 9 * len(models.ViT(1, 10, 28).blocks)
 
 
+@pytest.mark.slow
 def test_resume_at_another_degree_ends_where_one_run_ends(tmp_path, reference):
     """TP 2 stops after 3 of 4 steps, in epoch 1; 2 x 2 goes on from its pieces with epoch 1's
     next batch (its order, its position) and ends with the uninterrupted process's weights."""
