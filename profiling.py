@@ -185,18 +185,17 @@ def name_pipeline_chunks(stage, meter=None):
 
 
 class StageActivations:
-    """Bytes of activations each pipeline stage holds for its backward, counted by saved-tensor
-    hooks: every tensor autograd saves while a stage's forward (and, on the last, the loss after
-    it) runs, once per storage, until its graph is freed (after the backward; zero bubble: after
-    the weights' gradient). Parameters, which matmuls save too, are left out: held anyway. The
-    memory a schedule decides, on any device (a CPU has no max_memory_allocated); not counted:
-    temporaries within an operation, the buffers sent and received. peaks(): {stage: {"peak":
-    the most bytes held at once, "micro_batch": one forward's}}. stop() removes the hooks."""
+    """Bytes of activations each pipeline stage holds for its backward, by saved-tensor hooks:
+    every tensor autograd saves while a stage's forward (and, on the last, the loss after it) runs,
+    its bytes once, until its graph is freed (after the backward; zero bubble: the weights' pass).
+    Parameters, which matmuls save too, are left out: held anyway. The memory a schedule decides,
+    on any device (a CPU has no max_memory_allocated); not counted: an operation's temporaries.
+    peaks(): {stage: {"peak": the most bytes held at once, "micro_batch": one forward's}}."""
 
     def __init__(self, stages):
         params = (p for stage in stages for p in stage.submod.parameters())
         self.skip = {p.untyped_storage().data_ptr() for p in params}
-        self.stage, self.start, self.saved = None, 0, {}  # storage: [stage, bytes, times saved]
+        self.stage, self.start, self.saved = None, 0, {}  # key: [stage, bytes, times saved]
         self.alive, self.peak, self.one = ({s.stage_index: 0 for s in stages} for _ in range(3))
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _Saved.unpack)
         self.hooks.__enter__()  # till stop(): the loss is saved outside the stage's forward
@@ -209,12 +208,12 @@ class StageActivations:
         self.stage, self.start = stage, self.alive.get(stage, 0)
 
     def _pack(self, tensor):
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        tensor = tensor.detach()  # no grad_fn: an output's would hold its own node, a cycle
-        if self.stage is None or key in self.skip or not storage.nbytes():
+        tensor, ptr = tensor.detach(), tensor.untyped_storage().data_ptr()  # detach: see _Saved
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.stage is None or ptr in self.skip or not nbytes:
             return tensor
-        entry = self.saved.setdefault(key, [self.stage, storage.nbytes(), 0])
+        key = (ptr, tensor.storage_offset(), nbytes)  # the same bytes saved twice: counted once
+        entry = self.saved.setdefault(key, [self.stage, nbytes, 0])
         if entry[2] == 0:
             self.alive[entry[0]] += entry[1]
             self.peak[entry[0]] = max(self.peak[entry[0]], self.alive[entry[0]])
@@ -237,7 +236,8 @@ class StageActivations:
 
 
 class _Saved:
-    """A tensor autograd saved: tells StageActivations when autograd lets it go."""
+    """A tensor autograd saved, detached (an output's grad_fn would hold the node that holds it:
+    a cycle, never freed), that tells StageActivations when autograd lets it go."""
 
     def __init__(self, tensor, release):
         self.tensor, self.release = tensor, release

@@ -545,17 +545,16 @@ def check_schedules(reports, reference, corpus):
         assert metrics["test_acc"] == pytest.approx(acc, abs=1e-9), name
     assert len(test_set) % 16
     # Each stage's activations held for backward (profiling.StageActivations), in its own
-    # micro-batches: GPipe keeps all M = 8, 1F1B S - s on stage s of S (1% for the batch's
-    # tokens, one tensor the micro-batches are views of, counted once); no schedule over M.
+    # micro-batches: GPipe keeps all M = 8, 1F1B S - s on stage s of S; no schedule over M.
     held = {
         n: {s: h["peak"] / h["micro_batch"] for s, h in r[3].items()} for n, r in reports.items()
     }
     print(held)
     stages = range(len(held["1f1b"]))
-    assert held["gpipe"] == pytest.approx({s: 8 for s in stages}, rel=0.01)
-    assert held["1f1b"] == pytest.approx({s: len(stages) - s for s in stages}, rel=0.01)
+    assert held["gpipe"] == {s: 8 for s in stages}
+    assert held["1f1b"] == {s: len(stages) - s for s in stages}
     assert reports["gpipe"][3] and reports["gpipe"][3][0]["peak"] > reports["1f1b"][3][0]["peak"]
-    assert all(0 < h <= 8.01 for stage in held.values() for h in stage.values()), held
+    assert all(0 < h <= 8 for stage in held.values() for h in stage.values()), held
 
 
 @needs_2_10
