@@ -1,10 +1,10 @@
 """Pipeline model parallelism: ONE model cut into stages on several devices, in three modes.
 
 The model (a CNN's layers, or the GPT's blocks: the embedding with the first, the head and loss
-with the last) is cut into S stages of about equal FLOPs, the slowest setting the pace. A batch
-goes through stage 1, its activations on to stage 2's device, and so on; backward runs the way
-back. Use it when the model does not fit on one device (ddp_train.py is simpler and faster when
-it does). The launch picks the mode (the "mode N:" line printed says which):
+with the last; S must divide --depth) is cut into S stages of about equal FLOPs, the slowest
+setting the pace. A batch goes through stage 1, its activations on to stage 2's device, and so
+on; backward runs the way back. Use it when the model does not fit on one device (ddp_train.py
+is simpler and faster when it does). The launch picks the mode ("mode N:" printed says which):
 1. Naive (one process, --microbatches 1): one device works at a time: memory, not speed.
 2. Micro-batches (one process, --microbatches M): at tick t stage s works on piece t-s, so the
    GPUs overlap, each still idle (S-1)/(M+S-1) of a step: the bubble (GPipe, Huang et al. 2019).
@@ -60,7 +60,7 @@ from common import (
 )
 from data import DATASETS, TEXT, collate, load_datasets
 from models import GPT, keep_stage, param_groups
-from profiling import Profiler, add_flags, flop_rates, name_pipeline_chunks, step_flops
+from profiling import Profiler, add_flags, flop_rates, step_flops
 from training import (
     PIPELINE_SCHEDULES,
     V_SHAPED,
@@ -273,6 +273,8 @@ def train(args, info):
     flops = step_flops(model, sample.expand(args.batch_size, *sample.shape))  # all stages
     if n_stages > len(costs):
         fail(f"{n_stages} stages for a model of {len(costs)} {units}: at most {len(costs)}")
+    if units == "blocks" and len(costs) % n_stages:  # refused, though the FLOP cut would run
+        fail(f"{n_stages} stages do not divide the GPT's {len(costs)} blocks (--depth)")
     split = balanced_split(costs, n_stages)
     # Which process holds which stage (mode 3): rank 0 the first; the last, the loss.
     owner = {
@@ -301,8 +303,7 @@ def train(args, info):
         ids = pipeline_stage_ids(schedule_name, rank, world, per_rank)
         modules = [make_stage(model, *split[s]).to(device) for s in ids]  # all this trains
         stages = [PipelineStage(m, s, n_stages, device) for m, s in zip(modules, ids, strict=True)]
-        for stage in stages:
-            name_pipeline_chunks(stage)  # "stage1 forward mb3" in a --profile trace
+        profiler.watch_pipeline(stages)  # "stage1 forward mb3" in a trace, activations counted
         schedule = pipeline_schedule(schedule_name, stages, micro, loss_fn)
 
         def run_batch(inputs, labels, training):

@@ -22,7 +22,8 @@ peak_tflops, devices) gives metrics.jsonl's "flops_per_second" and, where the de
 known (PEAK_TFLOPS, or --peak-tflops), "mfu": the share of `devices` devices' peak.
 read_trace(path) reads a trace back into steps, compute and collective intervals (what
 benchmarks/pictures.py draws, and the printed line measures); name_pipeline_chunks(stage)
-names each micro-batch's forward and backward on a pipeline stage in it.
+names each micro-batch's forward and backward on a pipeline stage in it; StageActivations(stages)
+counts the bytes each stage holds for backward (Profiler.watch_pipeline(stages): both).
 """
 
 import gzip
@@ -68,7 +69,7 @@ class Profiler:
     """torch.profiler over steps wait+warmup+1 .. wait+warmup+active; see the module's text."""
 
     def __init__(self, trace_dir, rank=0, device=None, wait=1, warmup=2, active=3):
-        self.prof, self.steps, self.first = None, 0, wait + warmup + 1
+        self.prof, self.activations, self.steps, self.first = None, None, 0, wait + warmup + 1
         self.warmup, self.active = warmup, active
         if trace_dir is None:
             return
@@ -119,7 +120,21 @@ class Profiler:
                 self.first += 1
             self.prof.step()
 
+    def watch_pipeline(self, stages):
+        """This process's torch.distributed.pipelining stages: each micro-batch's forward and
+        backward named in the trace (name_pipeline_chunks); profiling, each stage's activations
+        counted (StageActivations), written at stop() to activations.rank{R}.json."""
+        self.activations = StageActivations(stages) if self.prof else None
+        for stage in stages:
+            name_pipeline_chunks(stage, self.activations)
+
     def stop(self):
+        if meter := self.activations:  # each stage's bytes held for backward, until now
+            meter.stop()
+            self.activations, peaks = None, meter.peaks()
+            (self.dir / f"activations.rank{self.rank}.json").write_text(json.dumps(peaks))
+            held = ", ".join(f"stage {s} {p['peak'] / 2**20:.2f}" for s, p in peaks.items())
+            print(f"rank {self.rank}: activations held at most, MiB: {held}", flush=True)
         if self.prof:
             if self.steps < self.first:
                 print(
@@ -151,19 +166,87 @@ class Profiler:
         )
 
 
-def name_pipeline_chunks(stage):
+def name_pipeline_chunks(stage, meter=None):
     """Name each micro-batch's forward and backward on a torch.distributed.pipelining stage in
     a trace ("stage1 forward mb3"; read_trace's annotations): the schedule, as it ran; "weight"
     a zero-bubble schedule's weight gradients, apart from backward (the input's). Without a
-    profiler, a record_function costs about a microsecond."""
+    profiler, a record_function costs about a microsecond. meter: a StageActivations, told
+    whose forward runs."""
     for method in ("forward", "backward", "backward_weight"):
         run, kind = getattr(stage, f"{method}_one_chunk"), method.removeprefix("backward_")
 
         def named(chunk, *args, run=run, kind=kind, **kwargs):
+            if meter:
+                meter.attribute(stage.stage_index if kind == "forward" else None)
             with torch.profiler.record_function(f"stage{stage.stage_index} {kind} mb{chunk}"):
                 return run(chunk, *args, **kwargs)
 
         setattr(stage, f"{method}_one_chunk", named)
+
+
+class StageActivations:
+    """Bytes of activations each pipeline stage holds for its backward, by saved-tensor hooks:
+    every tensor autograd saves while a stage's forward (and, on the last, the loss after it) runs,
+    its bytes once, until its graph is freed (after the backward; zero bubble: the weights' pass).
+    Parameters, which matmuls save too, are left out: held anyway. The memory a schedule decides,
+    on any device (a CPU has no max_memory_allocated); not counted: an operation's temporaries.
+    peaks(): {stage: {"peak": the most bytes held at once, "micro_batch": one forward's}}."""
+
+    def __init__(self, stages):
+        params = (p for stage in stages for p in stage.submod.parameters())
+        self.skip = {p.untyped_storage().data_ptr() for p in params}
+        self.stage, self.start, self.saved = None, 0, {}  # key: [stage, bytes, times saved]
+        self.alive, self.peak, self.one = ({s.stage_index: 0 for s in stages} for _ in range(3))
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _Saved.unpack)
+        self.hooks.__enter__()  # till stop(): the loss is saved outside the stage's forward
+
+    def attribute(self, stage):
+        """What autograd saves from now on is `stage`'s (the index of a stage whose forward
+        begins; None: nobody's), name_pipeline_chunks(stage, self) says."""
+        if self.stage is not None:  # the forward (and the loss) just ended: one micro-batch's
+            self.one[self.stage] = max(self.one[self.stage], self.alive[self.stage] - self.start)
+        self.stage, self.start = stage, self.alive.get(stage, 0)
+
+    def _pack(self, tensor):
+        tensor, ptr = tensor.detach(), tensor.untyped_storage().data_ptr()  # detach: see _Saved
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.stage is None or ptr in self.skip or not nbytes:
+            return tensor
+        key = (ptr, tensor.storage_offset(), nbytes)  # the same bytes saved twice: counted once
+        entry = self.saved.setdefault(key, [self.stage, nbytes, 0])
+        if entry[2] == 0:
+            self.alive[entry[0]] += entry[1]
+            self.peak[entry[0]] = max(self.peak[entry[0]], self.alive[entry[0]])
+        entry[2] += 1
+        return _Saved(tensor, lambda: self._release(key))
+
+    def _release(self, key):
+        entry = self.saved[key]
+        entry[2] -= 1
+        if entry[2] == 0:
+            self.alive[entry[0]] -= entry[1]
+            del self.saved[key]
+
+    def peaks(self):
+        return {s: dict(peak=self.peak[s], micro_batch=self.one[s]) for s in sorted(self.peak)}
+
+    def stop(self):
+        self.attribute(None)
+        self.hooks.__exit__(None, None, None)
+
+
+class _Saved:
+    """A tensor autograd saved, detached (an output's grad_fn would hold the node that holds it:
+    a cycle, never freed), that tells StageActivations when autograd lets it go."""
+
+    def __init__(self, tensor, release):
+        self.tensor, self.release = tensor, release
+
+    def __del__(self):
+        self.release()
+
+    def unpack(saved):  # saved_tensors_hooks' unpack: a _Saved or a tensor left as it was
+        return saved.tensor if isinstance(saved, _Saved) else saved
 
 
 def read_trace(path):

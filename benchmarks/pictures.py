@@ -9,7 +9,8 @@ timelines.png: one training step per rank, compute against collectives, read fro
 script's --profile traces (a script that does not take --profile yet is skipped, and said so).
 pipeline.png: model_parallel.py's GPT under GPipe, 1F1B, interleaved 1F1B and ZBV on 2 and 4
 processes, each process's forwards, backwards and weight gradients of each micro-batch as they
-ran, the idle time hatched, its share measured beside the formula's. memory.png: what one rank
+ran, the idle time hatched, its share measured beside the formula's, and the bytes of activations
+each stage held for backward (profiling.StageActivations). memory.png: what one rank
 holds under each strategy, counted from its tensors, and its measured peak
 (benchmarks/sharding.py --json). Runs write to benchmarks/runs/pictures/ (git-ignored);
 --traces LABEL=DIR draws traces made elsewhere (on GPUs, say) instead. Needs matplotlib
@@ -207,18 +208,28 @@ def alive_peak(chunks):
     return peaks
 
 
+def stage_activations(trace_dir):
+    """{stage: {"peak": bytes, "micro_batch": bytes}} of the activations each stage held for
+    backward (model_parallel.py --profile's activations.rank{R}.json); {} for traces without."""
+    held = {}
+    for path in sorted(Path(trace_dir).glob("activations.rank*.json")):
+        held.update({int(s): h for s, h in json.loads(path.read_text()).items()})
+    return held
+
+
 def draw_pipelines(runs, path):
     """runs: [(label, trace_dir)] of model_parallel.py under torchrun, one panel each: a row
     per process, its measured idle share beside the formula's, the micro-batches each stage
     held at once."""
     import matplotlib.pyplot as plt
 
-    panels = [(label, pipeline_chunks(d)) for label, d in runs]
-    rows = sum(len(ranks) for _, ranks in panels)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(13, 1.6 + 1.0 * rows), squeeze=False)
-    fig.subplots_adjust(hspace=1.0)
+    panels = [(label, pipeline_chunks(d), stage_activations(d)) for label, d in runs]
+    rows = sum(len(ranks) for _, ranks, _ in panels)
+    height = 1.6 + 1.0 * rows + 0.3 * len(panels)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(13, height), squeeze=False)
+    fig.subplots_adjust(hspace=1.3)
     colors = {"forward": "tab:blue", "backward": "tab:orange", "weight": "tab:green"}
-    for ax, (label, ranks) in zip(axes[:, 0], panels, strict=True):
+    for ax, (label, ranks, activations) in zip(axes[:, 0], panels, strict=True):
         every = [c for _, chunks in ranks for c in chunks]
         start, end = min(c[0] for c in every), max(c[1] for c in every)
         micro, stages = 1 + max(c[3] for c in every), 1 + max(c[4] for c in every)
@@ -238,10 +249,15 @@ def draw_pipelines(runs, path):
         v = stages // n  # stages per process
         measured, formula = 1 - busy / (n * (end - start)), (n - 1) / (v * micro + n - 1)
         held = " ".join(str(peaks[s]) for s in range(stages))
+        # The bytes each stage's autograd graphs held at most, and in its micro-batches' worth.
+        saved = [activations.get(s, dict(peak=0, micro_batch=0)) for s in range(stages)]
+        kib = " ".join(f"{h['peak'] / 1024:.0f}" for h in saved) if activations else "not measured"
+        worth = " ".join(f"{h['peak'] / max(1, h['micro_batch']):.1f}" for h in saved)
         ax.set_title(
             f"{label}: {n} processes x {v} stage(s), {micro} micro-batches: idle {measured:.0%}"
             f" measured, {formula:.0%} by (P-1)/(VM+P-1); micro-batches held at once, per"
-            f" stage: {held}",
+            f" stage: {held}\nactivations held for backward at most, KiB per stage: {kib}"
+            + (f" ({worth} micro-batches' worth)" if activations else ""),
             fontsize=9,
             loc="left",
         )
@@ -250,7 +266,7 @@ def draw_pipelines(runs, path):
         ax.set_ylim(0, n)
         print(
             f"{label}, {n} processes: idle {measured:.3f} measured, {formula:.3f} formula;"
-            f" held per stage {held}",
+            f" held per stage {held}; activations KiB {kib}",
             flush=True,
         )
     axes[-1, 0].set_xlabel("ms since the step's first forward (numbers: the micro-batch)")

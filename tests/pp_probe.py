@@ -3,7 +3,10 @@ instruments: `python tests/pp_probe.py REPORTS SCHEDULE[,SCHEDULE...] -- ARGS` (
 the schedule "one", ARGS naming --devices). Each run writes REPORTS/SCHEDULE (its
 --output-dir) and REPORTS/SCHEDULE.rank{RANK}.pt: per optimizer step, the mean of the training
 losses this rank's last stage took (one per micro-batch; None on other ranks) and every
-gradient this rank steps, by the whole model's names, as the optimizer is about to step."""
+gradient this rank steps, by the whole model's names, as the optimizer is about to step; the
+weights and AdamW moments as the first step finds them (a resumed run's: those it loaded); and
+each of this rank's stages' activations held for backward (profiling.StageActivations: peak and
+one micro-batch's bytes; mode 3 only)."""
 
 import os
 import sys
@@ -15,10 +18,11 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import model_parallel  # noqa: E402
+import profiling  # noqa: E402
 
 reports, schedules = sys.argv[1], sys.argv[2].split(",")
 argv = sys.argv[sys.argv.index("--") + 1 :]
-seen, pending, names = dict(losses=[], grads=[]), [], {}
+seen, pending, names = {}, [], {}
 real_loss, real_groups = model_parallel.loss_fn, model_parallel.param_groups
 real_adamw, real_cleanup = torch.optim.AdamW, model_parallel.cleanup
 
@@ -43,6 +47,11 @@ def adamw(groups, *args, **kwargs):
     params = [p for group in optimizer.param_groups for p in group["params"]]
 
     def before_step(*_):
+        if not seen["grads"]:  # the first step: what the run started from (or loaded)
+            weights = {names[id(p)]: p.detach().clone() for p in params}
+            state = optimizer.state
+            moments = {names[id(p)]: {k: v.clone() for k, v in state[p].items()} for p in params}
+            seen["loaded"] = dict(weights=weights, moments=moments)
         seen["grads"].append({names[id(p)]: p.grad.clone() for p in params})
         seen["losses"].append(sum(pending) / len(pending) if pending else None)
         pending.clear()
@@ -59,7 +68,14 @@ def evaluate_stages(*args):
         evaluating.clear()
 
 
-evaluating, real_evaluate = [], model_parallel.evaluate_stages
+def watch_pipeline(profiler, stages):  # every stage's activations counted, without --profile
+    meters.append(profiling.StageActivations(stages))
+    for stage in stages:
+        profiling.name_pipeline_chunks(stage, meters[-1])
+
+
+evaluating, real_evaluate, meters = [], model_parallel.evaluate_stages, []
+profiling.Profiler.watch_pipeline = watch_pipeline
 model_parallel.loss_fn, model_parallel.param_groups = loss_fn, param_groups
 model_parallel.evaluate_stages = evaluate_stages
 torch.optim.AdamW = adamw
@@ -74,10 +90,13 @@ def init_once(**kwargs):  # one process group for every run: no rendezvous betwe
 group, real_init = [], model_parallel.init_distributed_mode
 model_parallel.init_distributed_mode = init_once
 for schedule in schedules:
-    seen["losses"], seen["grads"] = [], []
+    seen.update(losses=[], grads=[], activations=None)
 
     def report(schedule=schedule):  # main()'s cleanup, which ends with a barrier
         rank = dist.get_rank() if dist.is_initialized() else 0
+        if meters:
+            meters[-1].stop()
+            seen["activations"] = meters.pop().peaks()
         torch.save(dict(seen), os.path.join(reports, f"{schedule}.rank{rank}.pt"))
 
     model_parallel.cleanup = report

@@ -490,8 +490,8 @@ SCHEDULES = list(training.PIPELINE_SCHEDULES)
 
 def gpt_probe(tmp_path, corpus, nproc, schedules):
     """pp_probe.py's reports {schedule: (per-step losses, per-step gradients by name, output
-    directory)}: one process (schedules ["one"], the unsplit GPT) or nproc, every schedule in
-    turn in the same processes."""
+    directory, {stage: its activations' peak and one micro-batch's bytes})}: one process
+    (schedules ["one"], the unsplit GPT) or nproc, every schedule in turn in the same processes."""
     argv = ["tests/pp_probe.py", tmp_path, ",".join(schedules), "--", *text_flags(corpus)]
     argv += [*GPT_ARGS, *(["--devices", "cpu"] if nproc == 1 else [])]
     run_python(argv) if nproc == 1 else torchrun_workers(nproc, argv, timeout=400)
@@ -500,7 +500,8 @@ def gpt_probe(tmp_path, corpus, nproc, schedules):
         ranks = [torch.load(tmp_path / f"{name}.rank{r}.pt") for r in range(nproc)]
         [losses] = [r["losses"] for r in ranks if r["losses"][0] is not None]  # the last stage's
         grads = [{k: v for r in ranks for k, v in r["grads"][step].items()} for step in range(3)]
-        reports[name] = losses, grads, tmp_path / name
+        held = {k: v for r in ranks for k, v in (r["activations"] or {}).items()}
+        reports[name] = losses, grads, tmp_path / name, held
     return reports
 
 
@@ -512,7 +513,7 @@ def gpt_one(tmp_path_factory, small_text):
 def parity(report, reference):
     """(worst loss difference, worst gradient difference over its norm, test loss relative
     difference) of a pipelined run against one process."""
-    (losses, grads, out), (ref_losses, ref_grads, ref_out) = report, reference
+    (losses, grads, out, _), (ref_losses, ref_grads, ref_out, _) = report, reference
     assert len(losses) == len(ref_losses) == 3
     loss = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
     grad = 0.0
@@ -533,7 +534,7 @@ def check_schedules(reports, reference, corpus):
     # Exact evaluation: each schedule's test loss is one process's on its checkpoint's weights,
     # over every held-out byte (24 windows, the last batch of 16 padded).
     _, test_set, _, _ = data.load_datasets("text", corpus, seq_len=32)
-    for name, (_, _, out) in reports.items():
+    for name, (_, _, out, _) in reports.items():
         model = models.GPT(256, 32, 32, 8, 2)
         model.load_state_dict(load_ckpt(out)["model"])
         loader = DataLoader(test_set, 16, collate_fn=data.collate)
@@ -543,6 +544,17 @@ def check_schedules(reports, reference, corpus):
         assert metrics["test_loss"] == pytest.approx(loss, rel=1e-6), name
         assert metrics["test_acc"] == pytest.approx(acc, abs=1e-9), name
     assert len(test_set) % 16
+    # Each stage's activations held for backward (profiling.StageActivations), in its own
+    # micro-batches: GPipe keeps all M = 8, 1F1B S - s on stage s of S; no schedule over M.
+    held = {
+        n: {s: h["peak"] / h["micro_batch"] for s, h in r[3].items()} for n, r in reports.items()
+    }
+    print(held)
+    stages = range(len(held["1f1b"]))
+    assert held["gpipe"] == {s: 8 for s in stages}
+    assert held["1f1b"] == {s: len(stages) - s for s in stages}
+    assert reports["gpipe"][3] and reports["gpipe"][3][0]["peak"] > reports["1f1b"][3][0]["peak"]
+    assert all(0 < h <= 8 for stage in held.values() for h in stage.values()), held
 
 
 @needs_2_10
@@ -586,19 +598,26 @@ def test_gpt_every_schedule_on_four_processes_takes_one_process_steps(
         ),
         (["--stages-per-rank", "2"], 1, "--stages-per-rank is for torchrun"),
         (["--data", "synthetic"], 1, "--model gpt does not train on --data synthetic"),
+        # Stages that do not divide the blocks (which a cut by FLOPs would run): refused.
+        (["--depth", "6"], 4, "4 stages do not divide the GPT's 6 blocks (--depth)"),
+        (["--pipeline-schedule", "zbv", "--depth", "6"], 2, "4 stages do not divide the GPT's 6"),
+        (["--devices", "cpu,cpu,cpu"], 1, "3 stages do not divide the GPT's 4 blocks"),
     ],
 )
 @needs_2_10
 def test_bad_pipeline_input(no_launcher, tmp_path, small_text, flags, world, words):
-    """The GPT's pipelines: one line, nothing written, before any collective (a pretended
-    world size tests them without its processes)."""
-    info = common.DistInfo(world > 1, 0, 0, world, world, torch.device("cpu"))
-    argv = [*text_flags(small_text), *flags, "--output-dir", str(tmp_path / "out")]
-    with pytest.raises(SystemExit) as excinfo:
-        model_parallel.train(model_parallel.get_args(argv), info)
-    message = excinfo.value.code
+    """The GPT's pipelines: the same line on the first and the last rank, nothing written,
+    before any collective (a pretended world size tests them without its processes)."""
+    messages = []
+    for rank in sorted({0, world - 1}):
+        info = common.DistInfo(world > 1, rank, rank, world, world, torch.device("cpu"))
+        argv = [*text_flags(small_text), *flags, "--output-dir", str(tmp_path / "out")]
+        with pytest.raises(SystemExit) as excinfo:
+            model_parallel.train(model_parallel.get_args(argv), info)
+        messages.append(excinfo.value.code)
+    message = messages[0]
     assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message
-    assert words in message, message
+    assert words in message and set(messages) == {message}, messages
     assert not (tmp_path / "out").exists()
 
 
@@ -621,23 +640,33 @@ def test_a_schedule_this_pytorch_lacks_is_one_line(no_launcher, monkeypatch, sma
 def test_gpt_resumes_at_another_number_of_stages_and_schedule(tmp_path):
     """A GPT checkpoint of 2 processes' GPipe (2 stages) resumes on 4 processes' interleaved
     1F1B (8 stages, 2 per process) and ends as one process run straight through: each stage
-    takes its blocks and their AdamW moments by the whole model's names."""
+    takes its blocks and their AdamW moments by the whole model's names, bit for bit."""
     corpus = tmp_path / "corpus.txt"  # 77 training windows: 9 steps of 8 an epoch
     corpus.write_bytes(Path(argparse.__file__).read_bytes()[:2600])
-    argv = ["model_parallel.py", *text_flags(corpus), "--dim", "32", "--heads", "2"]
-    argv += ["--depth", "8", "--batch-size", "8", "--microbatches", "4", "--epochs", "2"]
-    argv += ["--warmup", "0", *DIST_TIMEOUT, "--output-dir"]
-    straight, out = tmp_path / "straight", tmp_path / "run"
+    flags = [*text_flags(corpus), "--dim", "32", "--heads", "2", "--depth", "8"]
+    flags += ["--batch-size", "8", "--microbatches", "4", "--epochs", "2", "--warmup", "0"]
+    argv = ["model_parallel.py", *flags, *DIST_TIMEOUT, "--output-dir"]
+    # The resumed run is pp_probe.py's, which writes to probe/interleaved-1f1b.
+    straight, out = tmp_path / "straight", tmp_path / "probe" / "interleaved-1f1b"
     run_python([*argv, straight, "--devices", "cpu"])
     torchrun_workers(2, [*argv, out, "--pipeline-schedule", "gpipe", "--max-steps", "9"])
-    assert (load_ckpt(out)["epoch"], load_ckpt(out)["step"]) == (1, 9)
-    shutil.copytree(out, tmp_path / "stopped")
-    proc = torchrun_workers(4, [*argv, out, "--pipeline-schedule", "interleaved-1f1b"])
+    stopped = load_ckpt(out)
+    assert (stopped["epoch"], stopped["step"]) == (1, 9)
+    probe = ["tests/pp_probe.py", tmp_path / "probe", "interleaved-1f1b", "--", *flags]
+    proc = torchrun_workers(4, [*probe, *DIST_TIMEOUT])
     assert "resumed from" in proc.stdout and "interleaved-1f1b, 8 stages" in proc.stdout
+    # Bit for bit: the weights and AdamW moments each stage's first step found are the saved.
+    loaded = [torch.load(out.parent / f"interleaved-1f1b.rank{r}.pt")["loaded"] for r in range(4)]
+    weights = {k: v for r in loaded for k, v in r["weights"].items()}
+    assert sorted(weights) == sorted(stopped["optimizer"])  # every parameter, on one stage
+    assert all(torch.equal(v, stopped["model"][k]) for k, v in weights.items())
+    for name, state in ((k, v) for r in loaded for k, v in r["moments"].items()):
+        assert state.keys() == stopped["optimizer"][name].keys(), name
+        assert all(torch.equal(v, stopped["optimizer"][name][k]) for k, v in state.items()), name
     expected, resumed = load_ckpt(straight), load_ckpt(out)
     assert resumed["step"] == expected["step"] == 18
     # Can fail: the 9 steps after the resume move the weights by more than the tolerance.
-    assert max_abs_diff(resumed["model"], load_ckpt(tmp_path / "stopped")["model"]) > 1e-3
+    assert max_abs_diff(resumed["model"], stopped["model"]) > 1e-3
     assert_state_close(resumed["model"], expected["model"], atol=1e-4)
     assert_state_close(moments(resumed), moments(expected), atol=1e-4)
     got, want = read_metrics(out), read_metrics(straight)

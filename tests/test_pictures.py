@@ -68,8 +68,17 @@ def test_pipeline_picture_from_model_parallel_stages_and_none_from_a_ddp_trace(d
         assert sorted((kind, mb) for _, _, kind, mb, _ in chunks) == sorted(
             (kind, mb) for kind in ("backward", "forward") for mb in range(4)
         )
-    run_python([PICTURES, "--only", "pipeline", "--traces", f"1F1B={trace}", "--out", tmp_path])
+    # --profile also counts each stage's activations held for backward (the GPT's schedules
+    # are held to their micro-batch counts in test_model_parallel.py): 1F1B's stage 0 holds
+    # 2 micro-batches' of the 4, the last 1.
+    held = pictures.stage_activations(trace)
+    assert sorted(held) == [0, 1] and held[1]["peak"] == held[1]["micro_batch"] > 0, held
+    assert held[0]["peak"] == 2 * held[0]["micro_batch"] > 0, held
+    proc = run_python(
+        [PICTURES, "--only", "pipeline", "--traces", f"1F1B={trace}", "--out", tmp_path]
+    )
     assert (tmp_path / "pipeline.png").stat().st_size > 10_000
+    assert f"activations KiB {held[0]['peak'] / 1024:.0f} " in proc.stdout
     error = refused(["--only", "pipeline", "--traces", f"DDP={ddp_trace}", "--out", tmp_path])
     assert "no 'stageN forward mbM' ranges" in error
 
