@@ -28,6 +28,11 @@ LAYOUTS = [(pp, 8 // (pp * cp * tp), cp, tp) for pp in (1, 2) for cp in (1, 2) f
     (1, 2, 1, 4),
 ]
 SAVE, RESUME = "2,2,1,2,2", "1,4,2,1,3"
+# At 4 processes: pp 2 x tp 2 and dp 2 x cp 2 (1F1B), then the schedules of several stages per
+# process (4 stages of one block each); the quick tier's launch: pp 2 x dp 2 in a V (zbv).
+FOUR = ["2,1,1,2", "1,2,2,1", "2,1,1,2:interleaved-1f1b", "2,1,2,1:interleaved-zb"]
+FOUR += ["2,2,1,1:dualpipev"]
+QUICK = "2,2,1,1:zbv"
 
 
 def probe(nproc, reports, corpus, specs):
@@ -41,7 +46,7 @@ def probe(nproc, reports, corpus, specs):
 def report(reports, spec):
     """A layout's reports joined: the first rank of each pipeline stage (its whole gradients by
     name, merged over the stages), rank 0's losses, records and weights."""
-    pp, dp, cp, tp = map(int, spec.split(",")[:4])
+    pp, dp, cp, tp = map(int, spec.split(":")[0].split(",")[:4])
     stages = [torch.load(Path(reports, spec, f"rank{s * dp * cp * tp}.pt")) for s in range(pp)]
     merged = dict(stages[0])
     merged["grads"] = [
@@ -126,13 +131,21 @@ def test_every_layout_takes_the_steps_of_one_process(tmp_path, small_text, one):
     assert_same_weights(report(tmp_path / "one", "1,1,1,1,3")["loaded"], resumed["saved"])
 
 
+def test_a_pipeline_in_a_v_over_fsdp_takes_the_steps_of_one_process(tmp_path, small_text, one):
+    """The quick tier's parity: pp 2 x dp 2, zbv (2 stages per process in a V, rank 0 the first
+    and the last), each stage's blocks FSDP-sharded over the 2 data-parallel processes."""
+    probe(4, tmp_path, small_text, [QUICK])
+    print("worst gradient difference / norm:", assert_same_steps(report(tmp_path, QUICK), one))
+
+
 @pytest.mark.slow
 def test_four_processes_take_the_steps_of_one_process(tmp_path, small_text, one):
-    """pp 2 x tp 2 and dp 2 x cp 2."""
-    specs = ["2,1,1,2", "1,2,2,1"]
-    probe(4, tmp_path, small_text, specs)
-    for spec in specs:
-        assert_same_steps(report(tmp_path, spec), one)
+    """pp 2 x tp 2 and dp 2 x cp 2 (1F1B); then schedules of several stages per process
+    (4 stages of one block): interleaved 1F1B at pp 2 x tp 2, interleaved zero bubble at
+    pp 2 x cp 2, dualpipev at pp 2 x dp 2."""
+    probe(4, tmp_path, small_text, FOUR)
+    worst = {spec: assert_same_steps(report(tmp_path, spec), one) for spec in FOUR}
+    print("worst gradient difference / norm:", worst)
 
 
 @pytest.mark.parametrize(
@@ -140,7 +153,8 @@ def test_four_processes_take_the_steps_of_one_process(tmp_path, small_text, one)
     [
         (["--pp", "2", "--tp", "2"], 3, "--pp 2 x --dp 1 x --cp 1 x --tp 2 is 4 processes; 3"),
         (["--tp", "3"], 3, "--tp 3 must divide the 4 heads"),
-        (["--pp", "3"], 3, "--pp 3 stages must divide the 4 blocks (--depth)"),
+        (["--pp", "3"], 3, "3 stages (--pp 3 x 1 per process) must divide the 4 blocks"),
+        (["--pp", "2", "--microbatches", "1"], 2, "1f1b needs --microbatches >= stages (2); got 1"),
         (["--cp", "3", "--seq-len", "15"], 3, "--cp 3 cuts each sequence into 6 chunks"),
     ],
 )
