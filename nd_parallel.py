@@ -5,7 +5,8 @@ In the order the anchors compose them (torchtitan's parallelize_llama, picotron)
 cut into pipeline stages, --stages-per-rank of them on each of --pp processes (under the whole
 model's names), each block's linear layers split over --tp processes (Megatron's columns and
 rows), each sequence's tokens over --cp processes (zigzag chunks; K and V all-gathered with
-their positions), and FSDP over dp x cp together (the same weights on every process of both);
+their positions), and FSDP over dp x cp together (the same weights on every process of both;
+--replicate R: HSDP, R replicas, each sharded over dp/R x cp);
 --pipeline-schedule (model_parallel.py's: 1f1b, gpipe, interleaved, zero bubble, in a V) runs
 micro-batches through the stages. Which layout when: README.
 
@@ -95,12 +96,13 @@ def get_args(argv=None):
     add("--dp", type=int, help="data-parallel degree (default: what the others leave)")
     add("--cp", type=int, default=1, help="context-parallel degree (tokens of each sequence)")
     add("--tp", type=int, default=1, help="tensor-parallel degree (heads of each block)")
+    add("--replicate", type=int, default=1, help="HSDP: --dp as R replicas x dp/R shards")
     add("--pipeline-schedule", default="1f1b", choices=PIPELINE_SCHEDULES, help="its order")
     add("--stages-per-rank", type=int, help="stages per process (interleaved: 2; a V: 2)")
     add("--microbatches", "--micro-batches", type=int, help="per step (default: the stages)")
     add("--batch-size", type=int, help="sequences per data-parallel row per step (default 8)")
     args = p.parse_args(argv)
-    at_least_1 = ("pp", "dp", "cp", "tp", "microbatches", "stages_per_rank")
+    at_least_1 = ("pp", "dp", "cp", "tp", "replicate", "microbatches", "stages_per_rank")
     return sharded_args(args, at_least_1, batch=(8, 8))
 
 
@@ -113,6 +115,8 @@ def check_layout(args, world):
             f"--pp {pp} x --dp {dp} x --cp {cp} x --tp {tp} is {pp * dp * cp * tp} processes; "
             f"{world} started"
         )
+    if dp % args.replicate:
+        fail(f"--replicate {args.replicate} does not divide --dp {dp}")
     if args.heads % tp:  # then the widths (a multiple of the heads) split evenly too
         fail(f"--tp {tp} must divide the {args.heads} heads")
     # Interleaved and V-shaped schedules hold several stages per process; the others, one.
@@ -131,7 +135,7 @@ def check_layout(args, world):
         fail(f"--microbatches {micro} does not divide --batch-size {args.batch_size}")
     if pp > 1:  # a class this PyTorch lacks, stages or micro-batches the schedule cannot take
         check_pipeline_schedule(name, micro, pp, per_rank)
-    return pp, dp, cp, tp, micro, per_rank
+    return pp, dp, cp, tp, micro, per_rank, args.replicate
 
 
 # Context parallelism, zigzag (Megatron-Core's load balancing): each sequence cut into 2 CP
@@ -188,9 +192,9 @@ def joined(chunks):
     return model
 
 
-def parallelize(model, mesh, layout, tokens, amp):
+def parallelize(model, mesh, layout, tokens, amp, keep_gathered=False):
     """Tensor, context, then data parallelism on one pipeline stage (in place)."""
-    pp, dp, cp, tp, *_ = layout
+    pp, dp, cp, tp, *_, replicas = layout
     blocks = list(filter(None, model.blocks))
     if tp > 1:
         # Megatron's cut: q, k, v and fc1 by output features (each process whole heads, whole
@@ -212,14 +216,13 @@ def parallelize(model, mesh, layout, tokens, amp):
         # averaged over all of them (as torchtitan does): each rank's loss, the mean over its
         # own tokens, averaged over dp x cp, is the mean over the global batch. Each block,
         # then the stage's root, as in fsdp_train.py; after TP, each TP piece sharded again.
-        # In a pipeline a block's weights stay gathered from its forward to the step's end (as
-        # torchtitan's): one all-gather, not one per micro-batch, and a zero-bubble schedule's
-        # weight gradients, taken after the input's, reach the weights that the forward used.
+        # HSDP (--replicate R): sharded over dp/R x cp, the gradients then averaged over R.
+        dims = ("dp_replicate", "dp_cp") if replicas > 1 else "dp_cp"
         mp = MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.float32)
-        policy = dict(mp_policy=mp if amp == "bf16" else MixedPrecisionPolicy())
-        for block in blocks:
-            fully_shard(block, mesh=mesh["dp_cp"], reshard_after_forward=pp == 1, **policy)
-        fully_shard(model, mesh=mesh["dp_cp"], **policy)
+        policy = dict(mesh=mesh[dims], mp_policy=mp if amp == "bf16" else MixedPrecisionPolicy())
+        for block in blocks:  # keep_gathered: from its forward to the step's end (see train)
+            fully_shard(block, reshard_after_forward=not keep_gathered, **policy)
+        fully_shard(model, **policy)
 
 
 def clip_grad_norm(params, max_norm, pp_group):
@@ -258,16 +261,18 @@ def whole_state(model, pp_group):
 
 def train(args, info):
     device, rank, world = info.device, info.rank, info.world_size
-    layout = pp, dp, cp, tp, micro, per_rank = check_layout(args, world)
+    layout = pp, dp, cp, tp, micro, per_rank, replicas = check_layout(args, world)
     # The mesh, outermost dimension first: consecutive ranks (one node's) share a tensor-
     # parallel group, whose collectives run in every block; the pipeline's stages, which only
     # pass activations on, are the furthest apart (across nodes).
     mesh = None
     if info.distributed:
-        names = ("pp", "dp", "cp", "tp")
-        mesh = init_device_mesh(device.type, (pp, dp, cp, tp), mesh_dim_names=names)
-        mesh["dp", "cp"]._flatten("dp_cp")  # FSDP's dimension: both, as one
-    pp_rank, dp_rank, cp_rank, _ = mesh.get_coordinate() if mesh else (0, 0, 0, 0)
+        shape = (pp, replicas, dp // replicas, cp, tp)  # --dp: replicas x "dp" (HSDP; else 1)
+        names = ("pp", "dp_replicate", "dp", "cp", "tp")
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+        mesh["dp", "cp"]._flatten("dp_cp")  # FSDP's shards: both, as one
+    pp_rank, replica, shard, cp_rank, _ = mesh.get_coordinate() if mesh else (0,) * 5
+    dp_rank = replica * dp // replicas + shard  # the data's row
     pp_group = mesh["pp"].get_group() if pp > 1 else None
     # The stages this process holds, of pp x per_rank: one, or several in a loop or a V
     # (training.pipeline_stage_ids); owner: which pipeline rank holds each stage.
@@ -304,8 +309,11 @@ def train(args, info):
         whole = build()  # names and shapes, for the checkpoints' meta.pt
         chunks = [keep_stage(build(), s * per_stage, (s + 1) * per_stage) for s in ids]
     initial = initial_state(build, args.seed)  # rank 0: the whole model; None elsewhere
+    # Zero bubble: the weights' gradients are taken after the input's, from the parameters the
+    # stage holds then: those the forward used only if FSDP keeps them gathered (else lost).
+    gathered = pp > 1 and schedule_name in ("interleaved-zb", "zbv", "dualpipev")
     for chunk in chunks:
-        parallelize(chunk, mesh, layout, tokens, args.amp)
+        parallelize(chunk, mesh, layout, tokens, args.amp, gathered)
         chunk.to_empty(device=device)
     model = joined(chunks)  # what the optimizer, clipping and checkpoints see
     # Not strict: rank 0's whole model holds every stage's names, each stage takes its own.

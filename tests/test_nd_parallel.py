@@ -27,14 +27,16 @@ LAYOUTS = [(pp, 8 // (pp * cp * tp), cp, tp) for pp in (1, 2) for cp in (1, 2) f
     (4, 2, 1, 1),
     (1, 2, 1, 4),
 ]
+HSDP = "1,4,1,2:--replicate=2"  # dp 4 as 2 replicas x 2 shards, each block over tp 2
 SAVE, RESUME = "2,2,1,2,2", "1,4,2,1,3"
 # At 4 processes: pp 2 x tp 2 and dp 2 x cp 2 (1F1B), then the schedules of several stages per
 # process (4 stages of one block each); dualpipev at pp 2 x dp 2 saves after 2 steps (2 stages
 # a process in a V), interleaved 1F1B at pp 2 x tp 2 (in a loop) takes the third from its
 # checkpoint. The quick tier's launch: pp 2 x dp 2 in a V (zbv).
-FOUR = ["2,1,1,2", "1,2,2,1", "2,1,1,2:interleaved-1f1b", "2,1,2,1:interleaved-zb"]
-SAVE4, RESUME4 = "2,2,1,1,2:dualpipev", "2,1,1,2,3:interleaved-1f1b"
-QUICK = "2,2,1,1:zbv"
+PS = ":--pipeline-schedule="  # nd_probe.py: the flags after a layout
+FOUR = ["2,1,1,2", "1,2,2,1", f"2,1,1,2{PS}interleaved-1f1b", f"2,1,2,1{PS}interleaved-zb"]
+SAVE4, RESUME4 = f"2,2,1,1,2{PS}dualpipev", f"2,1,1,2,3{PS}interleaved-1f1b"
+QUICK = f"2,2,1,1{PS}zbv"
 
 
 def probe(nproc, reports, corpus, specs):
@@ -115,7 +117,7 @@ def one(tmp_path_factory, small_text):
 def test_every_layout_takes_the_steps_of_one_process(tmp_path, small_text, one):
     """8 processes, every layout in turn, against one process; then 2 x 2 x 2 -> 1 x 4 x 2 ->
     one process through the checkpoints, every weight loaded as it was saved."""
-    specs = [",".join(map(str, layout)) for layout in LAYOUTS]
+    specs = [",".join(map(str, layout)) for layout in LAYOUTS] + [HSDP]
     probe(8, tmp_path / "eight", small_text, [*specs, SAVE, RESUME])
     worst = {spec: assert_same_steps(report(tmp_path / "eight", spec), one) for spec in specs}
     whole = sum(t.numel() for t in initial().values())
@@ -165,6 +167,7 @@ def test_four_processes_take_the_steps_of_one_process(tmp_path, small_text, one)
         (["--tp", "3"], 3, "--tp 3 must divide the 4 heads"),
         (["--pp", "3"], 3, "3 stages (--pp 3 x 1 per process) must divide the 4 blocks"),
         (["--pp", "2", "--microbatches", "1"], 2, "1f1b needs --microbatches >= stages (2); got 1"),
+        (["--replicate", "2"], 3, "--replicate 2 does not divide --dp 3"),
         (["--cp", "3", "--seq-len", "15"], 3, "--cp 3 cuts each sequence into 6 chunks"),
     ],
 )
