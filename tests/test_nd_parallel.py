@@ -1,7 +1,8 @@
 """nd_parallel.py: every layout of pipeline x data x context x tensor parallelism takes one
 process's steps (the loss of each step, every gradient, the test loss), a checkpoint resumes
 bit for bit at another layout and number of processes, and a bad layout is one line on every
-rank. One launch of 8 Gloo processes builds every layout in turn (tests/nd_probe.py)."""
+rank. One launch of 8 Gloo processes builds every layout in turn (tests/nd_probe.py), one of 4
+the pipeline schedules of several stages per process; the quick tier's, zbv over FSDP."""
 
 import shutil
 from pathlib import Path
