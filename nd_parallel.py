@@ -276,7 +276,8 @@ def train(args, info):
     pp_group = mesh["pp"].get_group() if pp > 1 else None
     # The stages this process holds, of pp x per_rank: one, or several in a loop or a V
     # (training.pipeline_stage_ids); owner: which pipeline rank holds each stage.
-    schedule_name, n_stages = args.pipeline_schedule, pp * per_rank
+    schedule_name = args.pipeline_schedule if pp > 1 else "1f1b"  # one stage: no pipeline
+    n_stages = pp * per_rank
     ids = pipeline_stage_ids(schedule_name, pp_rank, pp, per_rank)
     owner = {s: r for r in range(pp) for s in pipeline_stage_ids(schedule_name, r, pp, per_rank)}
     first, last = 0 in ids, n_stages - 1 in ids  # V-shaped: rank 0 holds both

@@ -106,11 +106,13 @@ def assert_same_weights(a, b):
 
 @pytest.fixture(scope="module")
 def one(tmp_path_factory, small_text):
-    """One process: the reference."""
+    """One process: the reference. A schedule of several stages per process changes nothing
+    without a pipeline (one stage, not a V of two)."""
     reports = tmp_path_factory.mktemp("one")
-    probe(1, reports, small_text, ["1,1,1,1"])
+    probe(1, reports, small_text, ["1,1,1,1", f"1,1,1,1{PS}zbv"])
     ref = report(reports, "1,1,1,1")
     assert len(ref["grads"]) == len(ref["losses"]) == STEPS
+    assert_same_steps(report(reports, f"1,1,1,1{PS}zbv"), ref)
     return ref
 
 
