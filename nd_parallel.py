@@ -59,6 +59,7 @@ from checkpoint import (
 )
 from common import (
     cleanup,
+    detect_launcher,
     fail,
     init_distributed_mode,
     peer_failure,
@@ -384,10 +385,8 @@ def train(args, info):
         totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
         for inputs, labels in pad_batches(test_loader, test_set[0], device):
             inputs, labels = split(inputs.to(device), labels.to(device))
-            x = inputs
-            for s, chunk in zip(
-                ids, chunks, strict=True
-            ):  # in order: stage s takes stage s - 1's output
+            x = inputs  # through the stages this process holds, in order: s takes s - 1's output
+            for s, chunk in zip(ids, chunks, strict=True):
                 if s > 0 and owner[s - 1] != pp_rank:  # another process's
                     x = torch.zeros(*inputs.shape, args.dim, device=device)
                     if len(x):
@@ -479,6 +478,8 @@ def train(args, info):
 def main(argv=None):
     args = get_args(argv)
     require_torch("2.10", "nd_parallel.py")  # pipelining's shape inference on gloo: 2.10
+    # The layout, checked before any process connects: a bad one stops every rank alone, at once.
+    check_layout(args, (detect_launcher() or dict(world_size=1))["world_size"])
     # The process group: rank, world size and device from whichever launcher started us.
     info = init_distributed_mode(
         backend=args.backend, device=args.device, timeout_s=args.dist_timeout
