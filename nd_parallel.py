@@ -2,11 +2,13 @@
 parallel processes (--pp x --dp x --cp x --tp = the processes; any may be 1), as one process.
 
 In the order the anchors compose them (torchtitan's parallelize_llama, picotron): the blocks
-cut into --pp pipeline stages (each process holds depth/pp blocks, under the whole model's
-names), each block's linear layers split over --tp processes (Megatron's columns and rows),
-each sequence's tokens over --cp processes (zigzag chunks; K and V all-gathered with their
-positions), and FSDP over dp x cp together (the same weights on every process of both);
-a schedule (1F1B or GPipe) runs micro-batches through the stages. Which layout when: README.
+cut into pipeline stages, --stages-per-rank of them on each of --pp processes (under the whole
+model's names), each block's linear layers split over --tp processes (Megatron's columns and
+rows), each sequence's tokens over --cp processes (zigzag chunks; K and V all-gathered with
+their positions), and FSDP over dp x cp together (the same weights on every process of both;
+--replicate R: HSDP, R replicas, each sharded over dp/R x cp);
+--pipeline-schedule (model_parallel.py's: 1f1b, gpipe, interleaved, zero bubble, in a V) runs
+micro-batches through the stages. Which layout when: README.
 
     8 processes, --pp 2 --dp 2 --tp 2:  stage 0 [[0, 1], [2, 3]]  stage 1 [[4, 5], [6, 7]]
                                         (rows: dp; in a row, a tensor-parallel pair)
@@ -39,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -57,6 +59,7 @@ from checkpoint import (
 )
 from common import (
     cleanup,
+    detect_launcher,
     fail,
     init_distributed_mode,
     peer_failure,
@@ -68,12 +71,21 @@ from common import (
 from data import load_datasets, pad_batches, shard_loaders
 from models import GPT, generate, keep_stage, param_groups
 from profiling import Profiler, flop_rates, step_flops
-from training import end_epoch, log_loss, sharded_args, sharded_parser, warmup_cosine
+from training import (
+    PIPELINE_SCHEDULES,
+    check_pipeline_schedule,
+    end_epoch,
+    log_loss,
+    pipeline_schedule,
+    pipeline_stage_ids,
+    sharded_args,
+    sharded_parser,
+    warmup_cosine,
+)
 
 # The autograd all-gather (all_gather_tensor_autograd in PyTorch 2.9, deprecated later): its
 # backward reduce-scatters the gradients. (torch.distributed.nn's gave wrong ones on gloo.)
 all_gather = getattr(funcol, "all_gather_single_autograd", funcol.all_gather_tensor_autograd)
-SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
 
 def get_args(argv=None):
@@ -85,11 +97,14 @@ def get_args(argv=None):
     add("--dp", type=int, help="data-parallel degree (default: what the others leave)")
     add("--cp", type=int, default=1, help="context-parallel degree (tokens of each sequence)")
     add("--tp", type=int, default=1, help="tensor-parallel degree (heads of each block)")
-    add("--schedule", default="1f1b", choices=sorted(SCHEDULES), help="the pipeline's order")
-    add("--micro-batches", type=int, help="per step through the pipeline (default: --pp)")
+    add("--replicate", type=int, default=1, help="HSDP: --dp as R replicas x dp/R shards")
+    add("--pipeline-schedule", default="1f1b", choices=PIPELINE_SCHEDULES, help="its order")
+    add("--stages-per-rank", type=int, help="stages per process (interleaved: 2; a V: 2)")
+    add("--microbatches", "--micro-batches", type=int, help="per step (default: the stages)")
     add("--batch-size", type=int, help="sequences per data-parallel row per step (default 8)")
     args = p.parse_args(argv)
-    return sharded_args(args, ("pp", "dp", "cp", "tp", "micro_batches"), batch=(8, 8))
+    at_least_1 = ("pp", "dp", "cp", "tp", "replicate", "microbatches", "stages_per_rank")
+    return sharded_args(args, at_least_1, batch=(8, 8))
 
 
 def check_layout(args, world):
@@ -101,21 +116,27 @@ def check_layout(args, world):
             f"--pp {pp} x --dp {dp} x --cp {cp} x --tp {tp} is {pp * dp * cp * tp} processes; "
             f"{world} started"
         )
+    if dp % args.replicate:
+        fail(f"--replicate {args.replicate} does not divide --dp {dp}")
     if args.heads % tp:  # then the widths (a multiple of the heads) split evenly too
         fail(f"--tp {tp} must divide the {args.heads} heads")
-    if args.depth % pp:
-        fail(f"--pp {pp} stages must divide the {args.depth} blocks (--depth)")
+    # Interleaved and V-shaped schedules hold several stages per process; the others, one.
+    name, several = args.pipeline_schedule, args.pipeline_schedule not in ("gpipe", "1f1b")
+    per_rank = (args.stages_per_rank or (2 if several else 1)) if pp > 1 else 1
+    if args.depth % (pp * per_rank):
+        stages = f"{pp * per_rank} stages (--pp {pp} x {per_rank} per process)"
+        fail(f"{stages} must divide the {args.depth} blocks (--depth)")
     if cp > 1 and args.seq_len % (2 * cp):
         fail(
             f"--cp {cp} cuts each sequence into {2 * cp} chunks; --seq-len {args.seq_len} "
             "does not divide evenly"
         )
-    micro = args.micro_batches or pp
+    micro = args.microbatches or pp * per_rank
     if args.batch_size % micro:
-        fail(f"--micro-batches {micro} does not divide --batch-size {args.batch_size}")
-    if pp > 1 and args.schedule == "1f1b" and micro < pp:
-        fail(f"1f1b needs --micro-batches >= stages ({pp}); got {micro} (or --schedule gpipe)")
-    return pp, dp, cp, tp, micro
+        fail(f"--microbatches {micro} does not divide --batch-size {args.batch_size}")
+    if pp > 1:  # a class this PyTorch lacks, stages or micro-batches the schedule cannot take
+        check_pipeline_schedule(name, micro, pp, per_rank)
+    return pp, dp, cp, tp, micro, per_rank, args.replicate
 
 
 # Context parallelism, zigzag (Megatron-Core's load balancing): each sequence cut into 2 CP
@@ -157,9 +178,24 @@ class StageGPT(GPT):
         return x if self.head is None else self.head(self.norm(x))
 
 
-def parallelize(model, mesh, layout, tokens, amp):
+def joined(chunks):
+    """This process's stages as one module, under the whole model's names (blocks.5.mlp...):
+    the same parameters, seen at once by the optimizer, the clipping and the checkpoints."""
+    if len(chunks) == 1:
+        return chunks[0]
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList(
+        next(filter(None, blocks), None) for blocks in zip(*(c.blocks for c in chunks), strict=True)
+    )
+    for name in ("embed", "pos", "norm", "head"):  # the first stage's, the last stage's
+        held = [getattr(c, name) for c in chunks if getattr(c, name) is not None]
+        setattr(model, name, held[0] if held else None)
+    return model
+
+
+def parallelize(model, mesh, layout, tokens, amp, keep_gathered=False):
     """Tensor, context, then data parallelism on one pipeline stage (in place)."""
-    pp, dp, cp, tp, _ = layout
+    pp, dp, cp, tp, *_, replicas = layout
     blocks = list(filter(None, model.blocks))
     if tp > 1:
         # Megatron's cut: q, k, v and fc1 by output features (each process whole heads, whole
@@ -181,11 +217,13 @@ def parallelize(model, mesh, layout, tokens, amp):
         # averaged over all of them (as torchtitan does): each rank's loss, the mean over its
         # own tokens, averaged over dp x cp, is the mean over the global batch. Each block,
         # then the stage's root, as in fsdp_train.py; after TP, each TP piece sharded again.
+        # HSDP (--replicate R): sharded over dp/R x cp, the gradients then averaged over R.
+        dims = ("dp_replicate", "dp_cp") if replicas > 1 else "dp_cp"
         mp = MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.float32)
-        policy = mp if amp == "bf16" else MixedPrecisionPolicy()
-        for block in blocks:
-            fully_shard(block, mesh=mesh["dp_cp"], mp_policy=policy)
-        fully_shard(model, mesh=mesh["dp_cp"], mp_policy=policy)
+        policy = dict(mesh=mesh[dims], mp_policy=mp if amp == "bf16" else MixedPrecisionPolicy())
+        for block in blocks:  # keep_gathered: from its forward to the step's end (see train)
+            fully_shard(block, reshard_after_forward=not keep_gathered, **policy)
+        fully_shard(model, **policy)
 
 
 def clip_grad_norm(params, max_norm, pp_group):
@@ -224,18 +262,29 @@ def whole_state(model, pp_group):
 
 def train(args, info):
     device, rank, world = info.device, info.rank, info.world_size
-    layout = pp, dp, cp, tp, micro = check_layout(args, world)
+    layout = pp, dp, cp, tp, micro, per_rank, replicas = check_layout(args, world)
     # The mesh, outermost dimension first: consecutive ranks (one node's) share a tensor-
     # parallel group, whose collectives run in every block; the pipeline's stages, which only
     # pass activations on, are the furthest apart (across nodes).
     mesh = None
     if info.distributed:
-        names = ("pp", "dp", "cp", "tp")
-        mesh = init_device_mesh(device.type, (pp, dp, cp, tp), mesh_dim_names=names)
-        mesh["dp", "cp"]._flatten("dp_cp")  # FSDP's dimension: both, as one
-    stage, dp_rank, cp_rank, _ = mesh.get_coordinate() if mesh else (0, 0, 0, 0)
-    first, last = stage == 0, stage == pp - 1
+        shape = (pp, replicas, dp // replicas, cp, tp)  # --dp: replicas x "dp" (HSDP; else 1)
+        names = ("pp", "dp_replicate", "dp", "cp", "tp")
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+        mesh["dp", "cp"]._flatten("dp_cp")  # FSDP's shards: both, as one
+    pp_rank, replica, shard, cp_rank, _ = mesh.get_coordinate() if mesh else (0,) * 5
+    dp_rank = replica * dp // replicas + shard  # the data's row
     pp_group = mesh["pp"].get_group() if pp > 1 else None
+    # The stages this process holds, of pp x per_rank: one, or several in a loop or a V
+    # (training.pipeline_stage_ids); owner: which pipeline rank holds each stage.
+    schedule_name = args.pipeline_schedule if pp > 1 else "1f1b"  # one stage: no pipeline
+    n_stages = pp * per_rank
+    ids = pipeline_stage_ids(schedule_name, pp_rank, pp, per_rank)
+    owner = {s: r for r in range(pp) for s in pipeline_stage_ids(schedule_name, r, pp, per_rank)}
+    first, last = 0 in ids, n_stages - 1 in ids  # V-shaped: rank 0 holds both
+
+    def peer(s):  # the global rank of the process that holds stage s
+        return dist.get_global_rank(pp_group, owner[s])
 
     # Data: the processes of a data-parallel row (all its stages, cp and tp ranks) share each
     # batch; the dp rows take disjoint 1/dp of the global batch.
@@ -252,18 +301,23 @@ def train(args, info):
     def split(inputs, labels):  # this process's tokens of each sequence, and their labels
         return own(inputs, mine, 1), own(labels, mine, 1)
 
-    # Built on no device whole, as in fsdp_train.py: the shapes on the meta device, cut to this
-    # process's stage (the blocks it does not hold None: the whole model's names stay, so a
-    # checkpoint loads at any other cut), parallelized, then memory for its own pieces only,
-    # filled by broadcast from rank 0's seeded CPU copy (each rank keeps the names it holds).
+    # Built on no device whole, as in fsdp_train.py: the shapes on the meta device, cut to each
+    # of this process's stages (the blocks it does not hold None: the whole model's names stay,
+    # so a checkpoint loads at any other cut), parallelized, then memory for its own pieces
+    # only, filled by broadcast from rank 0's seeded CPU copy (each keeps the names it holds).
     build = functools.partial(StageGPT, tokens, args.dim, args.depth, args.heads, mine)
-    per_stage = args.depth // pp
+    per_stage = args.depth // n_stages
     with torch.device("meta"):
         whole = build()  # names and shapes, for the checkpoints' meta.pt
-        model = keep_stage(build(), stage * per_stage, (stage + 1) * per_stage)
+        chunks = [keep_stage(build(), s * per_stage, (s + 1) * per_stage) for s in ids]
     initial = initial_state(build, args.seed)  # rank 0: the whole model; None elsewhere
-    parallelize(model, mesh, layout, tokens, args.amp)
-    model.to_empty(device=device)
+    # Zero bubble: the weights' gradients are taken after the input's, from the parameters the
+    # stage holds then: those the forward used only if FSDP keeps them gathered (else lost).
+    gathered = pp > 1 and schedule_name in ("interleaved-zb", "zbv", "dualpipev")
+    for chunk in chunks:
+        parallelize(chunk, mesh, layout, tokens, args.amp, gathered)
+        chunk.to_empty(device=device)
+    model = joined(chunks)  # what the optimizer, clipping and checkpoints see
     # Not strict: rank 0's whole model holds every stage's names, each stage takes its own.
     fill = dict(full_state_dict=True, broadcast_from_rank0=info.distributed, strict=False)
     set_model_state_dict(model, initial or {}, options=StateDictOptions(**fill))
@@ -280,8 +334,9 @@ def train(args, info):
         # its order (1F1B: a backward as soon as one can, so at most pp micro-batches'
         # activations are held), takes each one's mean loss on the last stage and divides the
         # summed gradients by their number: the mean over the batch.
-        pipe = PipelineStage(model, stage, pp, device, group=pp_group)
-        schedule = SCHEDULES[args.schedule](pipe, micro, loss_fn=loss_of)
+        pairs = zip(chunks, ids, strict=True)
+        pipes = [PipelineStage(c, s, n_stages, device, group=pp_group) for c, s in pairs]
+        schedule = pipeline_schedule(schedule_name, pipes, micro, loss_of)
 
     def forward_backward(inputs, labels):
         """The gradients of this step in every parameter's .grad; the mean loss of this
@@ -330,16 +385,17 @@ def train(args, info):
         totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
         for inputs, labels in pad_batches(test_loader, test_set[0], device):
             inputs, labels = split(inputs.to(device), labels.to(device))
-            x = inputs
-            if not first:
-                x = torch.zeros(*inputs.shape, args.dim, device=device)
-                if len(x):
-                    dist.recv(x, dist.get_global_rank(pp_group, stage - 1), group=pp_group)
-            with autocast():
-                x = model(x)
+            x = inputs  # through the stages this process holds, in order: s takes s - 1's output
+            for s, chunk in zip(ids, chunks, strict=True):
+                if s > 0 and owner[s - 1] != pp_rank:  # another process's
+                    x = torch.zeros(*inputs.shape, args.dim, device=device)
+                    if len(x):
+                        dist.recv(x, peer(s - 1), group=pp_group)
+                with autocast():
+                    x = chunk(x)
+                if s < n_stages - 1 and owner[s + 1] != pp_rank and len(x):
+                    dist.send(x.float(), peer(s + 1), group=pp_group)
             if not last:
-                if len(x):
-                    dist.send(x.float(), dist.get_global_rank(pp_group, stage + 1), group=pp_group)
                 continue
             totals[0] += F.cross_entropy(x.flatten(0, 1).float(), labels.flatten(), reduction="sum")
             totals[1] += (x.argmax(-1) == labels).sum()
@@ -363,7 +419,7 @@ def train(args, info):
     if metrics and not (args.max_steps and step >= args.max_steps):
         trim_metrics(metrics, start_epoch)  # epochs that run again lose their old lines
     size = f"global batch {global_batch}, peak lr {lr:.3g}, {steps_per_epoch} steps/epoch"
-    how = f"{pp} x {dp} x {cp} x {tp} (pp x dp x cp x tp), {args.schedule} x {micro}"
+    how = f"{pp} x {dp} x {cp} x {tp} (pp x dp x cp x tp), {schedule_name} x {micro}"
     print0(f"gpt of {tokens} tokens: {how}, {device.type}, {size}")
     if start_epoch >= args.epochs:
         print0(f"{resume} already holds all {args.epochs} epochs: nothing to train")
@@ -422,6 +478,8 @@ def train(args, info):
 def main(argv=None):
     args = get_args(argv)
     require_torch("2.10", "nd_parallel.py")  # pipelining's shape inference on gloo: 2.10
+    # The layout, checked before any process connects: a bad one stops every rank alone, at once.
+    check_layout(args, (detect_launcher() or dict(world_size=1))["world_size"])
     # The process group: rank, world size and device from whichever launcher started us.
     info = init_distributed_mode(
         backend=args.backend, device=args.device, timeout_s=args.dist_timeout

@@ -2,11 +2,11 @@
 (one process group: a launch of 8 costs more than the steps), with instruments, and write what
 each rank saw to REPORTS/LAYOUT/rank{RANK}.pt:
 
-    python ... tests/nd_probe.py REPORTS GLOBAL_BATCH PP,DP,CP,TP[,STEPS] ... -- ARGS
+    python ... tests/nd_probe.py REPORTS GLOBAL_BATCH PP,DP,CP,TP[,STEPS][:--FLAG=VALUE]... -- ARGS
 
-Each layout trains STEPS steps (or ARGS' --max-steps) at --batch-size GLOBAL_BATCH / DP with
---output-dir REPORTS/LAYOUT/out, or REPORTS/out for a layout with STEPS (so that it resumes
-from the one before it). Per step:
+Each layout (with the flags after it, say 2,2,1,1:--pipeline-schedule=zbv) trains STEPS steps
+(or ARGS' --max-steps) at --batch-size GLOBAL_BATCH / DP with --output-dir REPORTS/LAYOUT/out,
+or REPORTS/out for a layout with STEPS (so that it resumes from the one before it). Per step:
 the mean training loss over all ranks (log_loss's, --log-every 1), and the whole gradient of
 each parameter this rank's stage holds, by name, as the optimizer is about to step (gathered
 from its pieces: all ranks participate); per epoch its record (test_loss); the whole model's
@@ -94,7 +94,8 @@ module.dcp.save, module.dcp.load = save, load
 info = module.init_distributed_mode(device="cpu", timeout_s=120)
 try:
     for spec in layouts:
-        pp, dp, cp, tp, *steps = spec.split(",")
+        layout, *extra = spec.split(":")
+        pp, dp, cp, tp, *steps = layout.split(",")
         seen.clear()
         seen.update(losses=[], grads=[], records=[])
         flags = ["--pp", pp, "--dp", dp, "--cp", cp, "--tp", tp, "--log-every", "1"]
@@ -102,6 +103,7 @@ try:
         folder = os.path.join(reports, spec)  # a layout with STEPS: the shared one
         flags += ["--output-dir", os.path.join(reports if steps else folder, "out")]
         flags += ["--max-steps", steps[0]] if steps else []
+        flags += extra  # --pipeline-schedule=zbv, --replicate=2, ...
         model["pp_group"] = None
         module.train(module.get_args(argv + flags), info)
         os.makedirs(folder, exist_ok=True)

@@ -1,7 +1,8 @@
 """nd_parallel.py: every layout of pipeline x data x context x tensor parallelism takes one
 process's steps (the loss of each step, every gradient, the test loss), a checkpoint resumes
 bit for bit at another layout and number of processes, and a bad layout is one line on every
-rank. One launch of 8 Gloo processes builds every layout in turn (tests/nd_probe.py)."""
+rank. One launch of 8 Gloo processes builds every layout in turn (tests/nd_probe.py), one of 4
+the pipeline schedules of several stages per process; the quick tier's, zbv over FSDP."""
 
 import shutil
 from pathlib import Path
@@ -27,7 +28,16 @@ LAYOUTS = [(pp, 8 // (pp * cp * tp), cp, tp) for pp in (1, 2) for cp in (1, 2) f
     (4, 2, 1, 1),
     (1, 2, 1, 4),
 ]
+HSDP = "1,4,1,2:--replicate=2"  # dp 4 as 2 replicas x 2 shards, each block over tp 2
 SAVE, RESUME = "2,2,1,2,2", "1,4,2,1,3"
+# At 4 processes: pp 2 x tp 2 and dp 2 x cp 2 (1F1B), then the schedules of several stages per
+# process (4 stages of one block each); dualpipev at pp 2 x dp 2 saves after 2 steps (2 stages
+# a process in a V), interleaved 1F1B at pp 2 x tp 2 (in a loop) takes the third from its
+# checkpoint. The quick tier's launch: pp 2 x dp 2 in a V (zbv).
+PS = ":--pipeline-schedule="  # nd_probe.py: the flags after a layout
+FOUR = ["2,1,1,2", "1,2,2,1", f"2,1,1,2{PS}interleaved-1f1b", f"2,1,2,1{PS}interleaved-zb"]
+SAVE4, RESUME4 = f"2,2,1,1,2{PS}dualpipev", f"2,1,1,2,3{PS}interleaved-1f1b"
+QUICK = f"2,2,1,1{PS}zbv"
 
 
 def probe(nproc, reports, corpus, specs):
@@ -41,7 +51,7 @@ def probe(nproc, reports, corpus, specs):
 def report(reports, spec):
     """A layout's reports joined: the first rank of each pipeline stage (its whole gradients by
     name, merged over the stages), rank 0's losses, records and weights."""
-    pp, dp, cp, tp = map(int, spec.split(",")[:4])
+    pp, dp, cp, tp = map(int, spec.split(":")[0].split(",")[:4])
     stages = [torch.load(Path(reports, spec, f"rank{s * dp * cp * tp}.pt")) for s in range(pp)]
     merged = dict(stages[0])
     merged["grads"] = [
@@ -54,11 +64,12 @@ def report(reports, spec):
 def assert_same_steps(got, ref, first=0):
     """Steps first+1.. of `got` against the reference's: the loss (the mean over every rank,
     as logged), every gradient within 1e-4 of its norm (a floor of a millionth of the whole
-    gradient's norm, for the nearly zero ones), the test loss within 1e-4 relative, the final
-    weights. Returns the worst gradient difference, relative to its norm."""
-    worst = 0.0
+    gradient's norm, for the nearly zero ones); if it ran to the reference's last step, the
+    test loss within 1e-4 relative and the final weights. Returns the worst gradient
+    difference, relative to its norm."""
+    worst, steps = 0.0, len(got["grads"])
     if first == 0:
-        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+        assert got["losses"] == pytest.approx(ref["losses"][:steps], rel=1e-5)
     for i, grads in enumerate(got["grads"]):
         reference = ref["grads"][first + i]
         assert grads.keys() == reference.keys()
@@ -68,6 +79,8 @@ def assert_same_steps(got, ref, first=0):
             difference = (grads[name] - r).norm()
             assert difference <= 1e-4 * r.norm() + floor, (first + i, name)
             worst = max(worst, (difference / r.norm()).item())
+    if first + steps < len(ref["grads"]):  # stopped early (to save): no final test loss
+        return worst
     test_loss, ref_loss = got["records"][-1]["test_loss"], ref["records"][-1]["test_loss"]
     assert test_loss == pytest.approx(ref_loss, rel=1e-4)
     # The weights saved at the end: AdamW's steps (from its resumed moments, if resumed)
@@ -93,11 +106,13 @@ def assert_same_weights(a, b):
 
 @pytest.fixture(scope="module")
 def one(tmp_path_factory, small_text):
-    """One process: the reference."""
+    """One process: the reference. A schedule of several stages per process changes nothing
+    without a pipeline (one stage, not a V of two)."""
     reports = tmp_path_factory.mktemp("one")
-    probe(1, reports, small_text, ["1,1,1,1"])
+    probe(1, reports, small_text, ["1,1,1,1", f"1,1,1,1{PS}zbv"])
     ref = report(reports, "1,1,1,1")
     assert len(ref["grads"]) == len(ref["losses"]) == STEPS
+    assert_same_steps(report(reports, f"1,1,1,1{PS}zbv"), ref)
     return ref
 
 
@@ -105,7 +120,7 @@ def one(tmp_path_factory, small_text):
 def test_every_layout_takes_the_steps_of_one_process(tmp_path, small_text, one):
     """8 processes, every layout in turn, against one process; then 2 x 2 x 2 -> 1 x 4 x 2 ->
     one process through the checkpoints, every weight loaded as it was saved."""
-    specs = [",".join(map(str, layout)) for layout in LAYOUTS]
+    specs = [",".join(map(str, layout)) for layout in LAYOUTS] + [HSDP]
     probe(8, tmp_path / "eight", small_text, [*specs, SAVE, RESUME])
     worst = {spec: assert_same_steps(report(tmp_path / "eight", spec), one) for spec in specs}
     whole = sum(t.numel() for t in initial().values())
@@ -126,13 +141,26 @@ def test_every_layout_takes_the_steps_of_one_process(tmp_path, small_text, one):
     assert_same_weights(report(tmp_path / "one", "1,1,1,1,3")["loaded"], resumed["saved"])
 
 
+def test_a_pipeline_in_a_v_over_fsdp_takes_the_steps_of_one_process(tmp_path, small_text, one):
+    """The quick tier's parity: pp 2 x dp 2, zbv (2 stages per process in a V, rank 0 the first
+    and the last), each stage's blocks FSDP-sharded over the 2 data-parallel processes."""
+    probe(4, tmp_path, small_text, [QUICK])
+    print("worst gradient difference / norm:", assert_same_steps(report(tmp_path, QUICK), one))
+
+
 @pytest.mark.slow
 def test_four_processes_take_the_steps_of_one_process(tmp_path, small_text, one):
-    """pp 2 x tp 2 and dp 2 x cp 2."""
-    specs = ["2,1,1,2", "1,2,2,1"]
-    probe(4, tmp_path, small_text, specs)
-    for spec in specs:
-        assert_same_steps(report(tmp_path, spec), one)
+    """pp 2 x tp 2 and dp 2 x cp 2 (1F1B); then schedules of several stages per process
+    (4 stages of one block): interleaved 1F1B at pp 2 x tp 2, interleaved zero bubble at
+    pp 2 x cp 2, dualpipev at pp 2 x dp 2."""
+    probe(4, tmp_path, small_text, [*FOUR, SAVE4, RESUME4])
+    worst = {spec: assert_same_steps(report(tmp_path, spec), one) for spec in FOUR}
+    saved, resumed = report(tmp_path, SAVE4), report(tmp_path, RESUME4)
+    assert len(saved["grads"]) == 2 and len(resumed["grads"]) == 1
+    worst[SAVE4] = assert_same_steps(saved, one)  # its 2 steps
+    assert_same_weights(resumed["loaded"], saved["saved"])  # a V over FSDP -> a loop over TP
+    worst[RESUME4] = assert_same_steps(resumed, one, first=2)
+    print("worst gradient difference / norm:", worst)
 
 
 @pytest.mark.parametrize(
@@ -140,7 +168,9 @@ def test_four_processes_take_the_steps_of_one_process(tmp_path, small_text, one)
     [
         (["--pp", "2", "--tp", "2"], 3, "--pp 2 x --dp 1 x --cp 1 x --tp 2 is 4 processes; 3"),
         (["--tp", "3"], 3, "--tp 3 must divide the 4 heads"),
-        (["--pp", "3"], 3, "--pp 3 stages must divide the 4 blocks (--depth)"),
+        (["--pp", "3"], 3, "3 stages (--pp 3 x 1 per process) must divide the 4 blocks"),
+        (["--pp", "2", "--microbatches", "1"], 2, "1f1b needs --microbatches >= stages (2); got 1"),
+        (["--replicate", "2"], 3, "--replicate 2 does not divide --dp 3"),
         (["--cp", "3", "--seq-len", "15"], 3, "--cp 3 cuts each sequence into 6 chunks"),
     ],
 )
