@@ -209,7 +209,9 @@ def test_output_contract(mp_runs, initial_test_loss, name):
     assert proc.stdout.count("epoch 0: train_loss") == 1
 
 
-@pytest.mark.parametrize("name", mode_3_needs_2_10(["micro-4", "1f1b-4"]))
+@pytest.mark.parametrize(
+    "name", ["micro-4", pytest.param("1f1b-4", marks=[needs_2_10, pytest.mark.slow])]
+)
 def test_evaluation_equals_one_process(mp_runs, name):
     """The split model's test loss and accuracy (last stage, a padded last batch) are one
     process's on the same weights, over every one of the 499 test samples."""
@@ -410,6 +412,7 @@ def test_bad_input(no_launcher, tmp_path, flags, world, words):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_one_stage_per_process_needs_torch_2_10(no_launcher, monkeypatch):
     """torch.distributed.pipelining before 2.10 does not run mode 3 (before 2.9 it lacks what
     mode 3 uses; on 2.9.0 gloo stops with a message size mismatch): one line naming the
@@ -458,6 +461,7 @@ def test_bad_input_real_processes(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_each_epoch_takes_a_new_order(no_launcher, monkeypatch):
     """One process, 2 epochs of 2 steps: each step trains on the batch that a loader reseeded
     with --seed + epoch gives, so epoch 1 takes a new order (every epoch repeating epoch 0's
