@@ -6,21 +6,22 @@ the mesh sends per step, for every layout of 8 processes, side by side.
 
 One torchrun launch of --world processes runs nd_parallel.py's train() for each layout
 (PP,DP,CP,TP) in turn, in the same processes, --steps steps each at the same global batch
-(--global-batch sequences, --batch-size global/DP per data-parallel row), on a small text (the
-standard library's argparse.py: a short evaluation), the GPT --depth 8 --dim 256 --heads 4 in
-fp32. Nothing in nd_parallel.py changes: the benchmark wraps what it calls from outside.
-Counted (rank 0, from its tensors: a DTensor's local piece): its parameters; its gradients as
-the optimizer is about to step; AdamW's state after the step; the activations autograd saves
-for backward (weights not counted), the most alive at once in the last step (a pipeline
-schedule frees a micro-batch's after its backward). Measured: rank 0's peak resident memory
-(Linux's VmHWM, reset through /proc/self/clear_refs) above its level before the layout, over
-the build, and over the steps (the first layout runs once before, unreported: no layout's
-peak holds the libraries' one-time allocations). Sent: every collective and point-to-point
-call of the last step, caught where every path ends (c10d's operators, whose kernels this
-process wraps: FSDP's, DTensor's, the pipeline's and the functional collectives end there),
-booked to the mesh dimension of its process group, as the bytes a ring algorithm sends from
-each rank: all-reduce 2(n-1)/n of the tensor, all-gather n-1 times the piece, reduce-scatter
-(n-1)/n of the input, send the tensor. Beside them, each dimension's formula (formulas()).
+(--global-batch sequences, --batch-size global/DP per data-parallel row), on a small text
+(argparse.py's, cut: a short evaluation, see corpus()), the GPT --depth 8 --dim 256 --heads
+4 in fp32. Nothing in nd_parallel.py changes: the benchmark wraps what it calls from
+outside. Counted (rank 0, from its tensors: a DTensor's local piece): its parameters; its
+gradients as the optimizer is about to step; AdamW's state after the step; the activations
+autograd saves for backward (weights not counted), the most alive at once in the last step
+above what was alive at its start (a pipeline frees a micro-batch's after its backward).
+Measured: rank 0's peak resident memory (Linux's VmHWM, reset through /proc/self/clear_refs)
+above its level before the layout, over the build, and over the steps (the first layout runs
+once before, unreported: no layout's peak holds the libraries' one-time allocations). Sent:
+every collective and point-to-point call of the last step, caught where every path ends
+(c10d's operators, whose kernels this process wraps: FSDP's, DTensor's, the pipeline's and
+the functional collectives end there), booked to the mesh dimension of its process group, as
+the bytes a ring algorithm sends from each rank: all-reduce 2(n-1)/n of the tensor,
+all-gather n-1 times the piece, reduce-scatter (n-1)/n of the input, send the tensor. Beside
+them, each dimension's formula (formulas()).
 """
 
 import argparse
@@ -125,7 +126,9 @@ class Saved:
             return t
         inner = getattr(t, "_local_tensor", None)  # a DTensor's piece
         storage = (getattr(t, "elem", t) if inner is None else inner).untyped_storage()
-        return Held(self, t, storage.data_ptr(), storage.nbytes())
+        # Detached: an output saved for backward would hold its own grad_fn through `Held`,
+        # a cycle that keeps the graph (and what it saved) alive after its backward ran.
+        return Held(self, t.detach(), storage.data_ptr(), storage.nbytes())
 
     def unpack(self, held):
         return held.tensor if isinstance(held, Held) else held
@@ -196,6 +199,17 @@ def formulas(layout, args):
     return out
 
 
+def corpus(args):
+    """A text of argparse.py's bytes whose held-out twentieth (data.load_text) is exactly 16
+    sequences: every data-parallel row of every layout evaluates the same number of batches.
+    (A row with fewer gets an empty batch, on which DTensor's reshape of a 0-sized tensor loops
+    forever, PyTorch 2.14.1: tp > 1 evaluation hangs.)"""
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"nd_costs_{os.getpid()}.txt"  # each its own
+    text = Path(argparse.__file__).read_bytes() * (1 + args.seq_len // 256)
+    path.write_bytes(text[: 20 * (16 * args.seq_len + 1)])
+    return path
+
+
 def measure(nd, layout, args, info, sent, saved):
     import gc
 
@@ -203,9 +217,9 @@ def measure(nd, layout, args, info, sent, saved):
     argv = ["--pp", pp, "--dp", dp, "--cp", cp, "--tp", tp, "--depth", args.depth]
     argv += ["--dim", args.dim, "--heads", args.heads, "--seq-len", args.seq_len]
     argv += ["--batch-size", args.global_batch // dp, "--max-steps", args.steps]
-    argv += ["--data-dir", argparse.__file__, "--device", "cpu", "--dist-timeout", "600"]
+    argv += ["--data-dir", args.corpus, "--device", "cpu", "--dist-timeout", "600"]
     run_args = nd.get_args([str(a) for a in argv])
-    held, steps = {}, []
+    held, steps = dict(left=saved.live), []  # saved tensors still alive: not this layout's
     real_groups, real_log, real_adamw = nd.param_groups, nd.log_loss, torch.optim.AdamW
     real_mesh, meshes = nd.init_device_mesh, []
 
@@ -231,10 +245,11 @@ def measure(nd, layout, args, info, sent, saved):
         def after_step(*_):
             states = optimizer.state.values()
             held["optimizer"] = local_bytes(v for s in states for v in s.values())
-            steps.append(dict(sent=dict(sent.bytes), calls=sent.calls, saved=saved.peak))
+            step = dict(sent=dict(sent.bytes), calls=sent.calls, left=held["left"])
+            steps.append(dict(step, saved=saved.peak - held["left"]))
             held["peak"] = 1024 * (resident_kb("VmHWM") - before)
             sent.reset()
-            saved.peak = saved.live
+            held["left"] = saved.peak = saved.live  # the next step's: above what is left
 
         optimizer.register_step_pre_hook(before_step)
         optimizer.register_step_post_hook(after_step)
@@ -253,7 +268,7 @@ def measure(nd, layout, args, info, sent, saved):
     nd.param_groups, nd.log_loss, torch.optim.AdamW = param_groups, log_loss, adamw
     nd.init_device_mesh, sent.dims = init_device_mesh, {}
     nd.generate = lambda *a, **kw: "(not sampled)"
-    sent.on, start = True, time.perf_counter()
+    saved.peak, sent.on, start = saved.live, True, time.perf_counter()
     try:
         with saved.hooks():
             nd.train(run_args, info)
@@ -266,7 +281,8 @@ def measure(nd, layout, args, info, sent, saved):
     return dict(
         layout=dict(zip(("pp", "dp", "cp", "tp"), layout, strict=True)),
         weights=held["weights"], grads=held["grads"], optimizer=held["optimizer"],
-        activations=last["saved"], build_peak=held["build_peak"], peak=held["peak"],
+        activations=last["saved"], saved_left=last["left"],
+        build_peak=held["build_peak"], peak=held["peak"],
         sent=by_dim, sent_elsewhere=last["sent"], calls=last["calls"],
         formula=formulas(layout, args), seconds=time.perf_counter() - start,
     )  # fmt: skip
@@ -277,7 +293,7 @@ def worker(args):
     from common import cleanup, init_distributed_mode
 
     info = init_distributed_mode(device="cpu", timeout_s=600)
-    sent, saved = Sent(), Saved()
+    sent, saved, args.corpus = Sent(), Saved(), corpus(args)
     try:
         if args.warmup:  # the libraries' one-time allocations, outside every layout's peak
             measure(nd, args.layouts[0], args, info, sent, saved)
@@ -286,6 +302,7 @@ def worker(args):
             if info.rank == 0:
                 print(json.dumps(row), flush=True)
     finally:
+        args.corpus.unlink()
         cleanup()
 
 
@@ -328,18 +345,23 @@ def main():
         if len(lay) != 4 or lay[0] * lay[1] * lay[2] * lay[3] != args.world:
             p.error(f"--layouts {lay}: four degrees whose product is --world {args.world}")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", "1048576")  # freed blocks go back (sharding.py)
+    # Blocks of 64 kB and more go back to the system when freed: a layout's peak is its own,
+    # not lower where it reuses what glibc kept of the layouts before (sharding.py: 1 MB).
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc_per_node={args.world}", __file__, "--worker", *sys.argv[1:]]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    start, rows = time.perf_counter(), []
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) as proc:
+        for line in proc.stdout:  # each layout's row as it comes (a long run's part kept)
+            if line.startswith("{"):
+                rows.append(json.loads(line))
+                print(f"{len(rows)}/{len(args.layouts)}: {rows[-1]['layout']}", flush=True)
+                if args.json:
+                    Path(args.json).write_text(json.dumps(rows, indent=1))
     if proc.returncode:
-        sys.exit(f"error: {' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        sys.exit(f"error: {' '.join(cmd)} failed (exit {proc.returncode}); its output above")
     print(table(rows))
     print(f"{len(rows)} layouts in {time.perf_counter() - start:.0f} s")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
