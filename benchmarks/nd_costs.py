@@ -202,8 +202,8 @@ def formulas(layout, args):
 def corpus(args):
     """A text of argparse.py's bytes whose held-out twentieth (data.load_text) is exactly 16
     sequences: every data-parallel row of every layout evaluates the same number of batches.
-    (A row with fewer gets an empty batch, on which DTensor's reshape of a 0-sized tensor loops
-    forever, PyTorch 2.14.1: tp > 1 evaluation hangs.)"""
+    (A row with fewer gets an empty batch, whose reshape from 0 x seq x dim to 0 x dim in a
+    tensor-parallel layer loops forever where seq = dim, PyTorch 2.14.1: results.md.)"""
     path = Path(os.environ.get("TMPDIR", "/tmp")) / f"nd_costs_{os.getpid()}.txt"  # each its own
     text = Path(argparse.__file__).read_bytes() * (1 + args.seq_len // 256)
     path.write_bytes(text[: 20 * (16 * args.seq_len + 1)])
