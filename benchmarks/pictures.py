@@ -36,7 +36,7 @@ from profiling import read_trace, step_time_and_waiting, union  # noqa: E402
 RUNS = ROOT / "benchmarks" / "runs" / "pictures"
 QUICK = ["--data", "synthetic", "--device", "cpu", "--max-steps", "6", "--dist-timeout", "120"]
 TEXT = ["--data", "text", "--model", "gpt"]
-# One step of each strategy, 2 processes each: what their collectives overlap.
+# One step of each strategy, 2 processes each (nd_parallel.py's 8): what their collectives overlap.
 STRATEGIES = {
     "ddp": ("DDP", "ddp_train.py", ["--model", "resnet18", "--batch-size", "8"]),
     # The sharded ones on their language-model job: the GPT on text (a window of 256 bytes).
@@ -44,7 +44,14 @@ STRATEGIES = {
     "tp": ("tensor parallel", "tensor_parallel.py", TEXT),
     "cp": ("context parallel (ring, zigzag)", "context_parallel.py", TEXT),
     "ep": ("expert parallel", "expert_parallel.py", TEXT),
+    # The strategies composed, 8 processes, on a short text (argparse.py: a quick evaluation).
+    "nd": (
+        "pp 2 x dp 2 x tp 2",
+        "nd_parallel.py",
+        [*TEXT, "--data-dir", argparse.__file__, "--pp", "2", "--dp", "2", "--tp", "2"],
+    ),
 }
+NPROC = {"nd": 8}  # processes per strategy (the others: 2)
 PHASE_COLORS = {
     "forward": "tab:blue",
     "backward": "tab:orange",
@@ -130,7 +137,10 @@ def draw_timelines(runs, path):
 
     steps = [(label, one_step(d)) for label, d in runs]
     heights = [1 + 0.6 * len(ranks) for _, ranks in steps]
-    fig, axes = plt.subplots(len(steps), 1, figsize=(12, sum(heights) + 0.8), squeeze=False)
+    fig, axes = plt.subplots(
+        len(steps), 1, figsize=(12, sum(heights) + 0.8), squeeze=False,
+        gridspec_kw=dict(height_ratios=heights),  # a lane pair per rank, 2 ranks or 8
+    )  # fmt: skip
     fig.subplots_adjust(hspace=0.9)
     used = set()
     for ax, (label, ranks) in zip(axes[:, 0], steps, strict=True):
@@ -381,8 +391,9 @@ def timeline_runs(strategies):
         if not takes_profile(script):
             print(f"skipped {label}: {script} does not take --profile yet", flush=True)
             continue
-        torchrun(2, script, argv, RUNS / key)
-        runs.append((f"{label} ({script}, 2 processes, CPU)", RUNS / key))
+        nproc = NPROC.get(key, 2)
+        torchrun(nproc, script, argv, RUNS / key)
+        runs.append((f"{label} ({script}, {nproc} processes, CPU)", RUNS / key))
     return runs
 
 

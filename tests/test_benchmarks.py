@@ -11,6 +11,7 @@ import json
 import math
 
 import pytest
+import torch
 from conftest import ROOT, SYNTHETIC, read_metrics, run_python
 
 import models
@@ -127,3 +128,38 @@ def test_sharding_benchmark_counts_what_tensor_parallel_ranks_hold():
     # A TP rank saves less for backward than one process on the whole batch (DDP's ranks hold
     # half of it); sequence parallelism, keeping half of the tokens between the pairs, less.
     assert 0 < sp[4] < tp[4] < 2 * ddp[4]
+
+
+@pytest.mark.slow
+def test_nd_costs_counts_what_rank_0_holds_and_sends(tmp_path):
+    """benchmarks/nd_costs.py, 4 processes, a GPT of 2 blocks, pp 2 x dp 2 and cp 2 x tp 2:
+    rank 0's weights are what the cuts leave it (stage 0's tensors, q, k, v and fc1 cut by rows
+    and proj's and fc2's weights by columns over tp, FSDP's first chunk of rows over dp x cp),
+    as many gradients, AdamW's two moments and a step count per tensor; the bytes counted at
+    c10d's operators per dimension are the formulas' from the shapes, nothing else sent."""
+    rows = tmp_path / "rows.json"
+    argv = ["--world", "4", "--layouts", "2,2,1,1", "1,1,2,2", "--depth", "2", "--dim", "32"]
+    argv += ["--seq-len", "32", "--no-warmup", "--json", rows]
+    run_python(["benchmarks/nd_costs.py", *argv], timeout=400)
+    for row in json.loads(rows.read_text()):
+        pp, dp, cp, tp = row["layout"].values()
+        with torch.device("meta"):
+            gpt = models.keep_stage(models.GPT(256, 32, 32, 2, 4), 0, 2 // pp)
+        numel = 0
+        for name, p in gpt.named_parameters():
+            shape = list(p.shape)
+            if any(f".{cut}." in name for cut in ("attn.q", "attn.k", "attn.v", "mlp.fc1")):
+                shape[0] //= tp
+            elif name.endswith(("attn.proj.weight", "mlp.fc2.weight")):
+                shape[1] //= tp
+            shape[0] = -(-shape[0] // (dp * cp))  # torch.chunk's first piece
+            numel += math.prod(shape)
+        tensors = len(list(gpt.parameters()))
+        assert row["weights"] == row["grads"] == 4 * numel, row["layout"]
+        assert row["optimizer"] == 2 * row["weights"] + 4 * tensors  # AdamW's step: fp32
+        assert row["activations"] > 0 and row["peak"] > 0
+        degrees = dict(pp=pp, dp_cp=dp * cp, cp=cp, tp=tp)
+        for dim, sent in row["sent"].items():
+            assert sent == pytest.approx(row["formula"][dim]), (row["layout"], dim)
+            assert (sent > 0) == (degrees[dim] > 1), (row["layout"], dim)
+        assert row["sent_elsewhere"] == {}
