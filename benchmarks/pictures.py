@@ -237,7 +237,7 @@ def draw_pipelines(runs, path):
     rows = sum(len(ranks) for _, ranks, _ in panels)
     height = 1.6 + 1.0 * rows + 0.3 * len(panels)
     fig, axes = plt.subplots(len(panels), 1, figsize=(13, height), squeeze=False)
-    fig.subplots_adjust(hspace=1.3)
+    fig.subplots_adjust(hspace=1.1)
     colors = {"forward": "tab:blue", "backward": "tab:orange", "weight": "tab:green"}
     for ax, (label, ranks, activations) in zip(axes[:, 0], panels, strict=True):
         every = [c for _, chunks in ranks for c in chunks]
@@ -283,7 +283,7 @@ def draw_pipelines(runs, path):
     names = ["forward", "backward (zero bubble: the input's gradient)", "weight gradient", "idle"]
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
     handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="none", edgecolor="0.6", hatch="///"))
-    top = axes[0, 0].get_position().y1 + 0.2 / fig.get_figheight()  # just above the first
+    top = axes[0, 0].get_position().y1 + 0.45 / fig.get_figheight()  # above the first title
     fig.legend(handles, names, loc="lower center", bbox_to_anchor=(0.5, top), ncol=4)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
