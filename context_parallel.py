@@ -367,7 +367,7 @@ def main(argv=None):
 
         @torch.no_grad()
         def evaluate_all():
-            """Exact: a rank with fewer test batches runs empty ones (FSDP's forward is
+            """Exact: a rank with fewer test batches runs padding (FSDP's forward is
             collective). Text: each token counted once, by its process; images: cp times."""
             padded = pad_batches(test_loader, test_set[0], device)
             return evaluate(model, (split(x, y) for x, y in padded), device, autocast())

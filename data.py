@@ -160,15 +160,21 @@ def eval_shard(dataset, rank, world_size):
     return torch.utils.data.Subset(dataset, range(rank, len(dataset), world_size))
 
 
+IGNORED = -100  # a label cross_entropy leaves out of its sum (its ignore_index), never right
+
+
 def pad_batches(loader, sample, device):
-    """loader's batches, then empty ones (of `sample`'s shapes and types) up to as many as any
-    rank has: a sharded model's forward runs collectives, so every rank must run it as often
-    (all ranks participate)."""
+    """loader's batches, then more up to as many as any rank has: a sharded model's forward
+    runs collectives, so every rank must run it as often (all ranks participate). Each extra
+    batch is `sample` alone with its labels IGNORED: it adds nothing to a loss sum, an accuracy
+    or a count of labels that leaves IGNORED out. (Not an empty batch: tensor parallelism's
+    reshape of a 0 x seq x dim batch never returns where seq == dim, on PyTorch 2.14.)"""
     batches = torch.tensor(len(loader), device=device)
     if get_world_size() > 1:
         dist.all_reduce(batches, dist.ReduceOp.MAX)
-    empty = tuple(torch.as_tensor(t).new_zeros(0, *torch.as_tensor(t).shape) for t in sample)
-    return itertools.chain(loader, [empty] * (int(batches) - len(loader)))
+    inputs, labels = (torch.as_tensor(t)[None] for t in sample)
+    pad = inputs, torch.full_like(labels, IGNORED)
+    return itertools.chain(loader, [pad] * (int(batches) - len(loader)))
 
 
 # Text: bytes, a vocabulary of 256 (no tokenizer to build or ship) ---------------------------

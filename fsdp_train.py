@@ -229,7 +229,7 @@ def main(argv=None):
         @torch.no_grad()
         def evaluate_all():
             """Exact evaluation of the sharded model. Each forward all-gathers weights (all
-            ranks participate), so a rank with fewer test batches runs empty ones."""
+            ranks participate), so a rank with fewer test batches runs padding."""
             for buffer in raw_model.buffers() if info.distributed else ():
                 dist.broadcast(buffer, src=0)  # BatchNorm statistics: one model on every rank
             padded = pad_batches(test_loader, test_set[0], device)

@@ -68,7 +68,7 @@ from common import (
     require_torch,
     together,
 )
-from data import load_datasets, pad_batches, shard_loaders
+from data import IGNORED, load_datasets, pad_batches, shard_loaders
 from models import GPT, generate, keep_stage, param_groups
 from profiling import Profiler, flop_rates, step_flops
 from training import (
@@ -379,7 +379,7 @@ def train(args, info):
     def evaluate():
         """Exact: every held-out token once, whatever the layout. Each batch goes through the
         stages by hand (send and receive, no backward), the last stage sums the losses of its
-        tokens; a rank with fewer batches runs empty ones (FSDP's forward is collective). The
+        tokens; a rank with fewer batches runs padding (FSDP's forward is collective). The
         sums count each token tp times (and 0 times off the last stage): the ratios are exact."""
         model.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
@@ -389,17 +389,16 @@ def train(args, info):
             for s, chunk in zip(ids, chunks, strict=True):
                 if s > 0 and owner[s - 1] != pp_rank:  # another process's
                     x = torch.zeros(*inputs.shape, args.dim, device=device)
-                    if len(x):
-                        dist.recv(x, peer(s - 1), group=pp_group)
+                    dist.recv(x, peer(s - 1), group=pp_group)
                 with autocast():
                     x = chunk(x)
-                if s < n_stages - 1 and owner[s + 1] != pp_rank and len(x):
+                if s < n_stages - 1 and owner[s + 1] != pp_rank:
                     dist.send(x.float(), peer(s + 1), group=pp_group)
             if not last:
                 continue
             totals[0] += F.cross_entropy(x.flatten(0, 1).float(), labels.flatten(), reduction="sum")
             totals[1] += (x.argmax(-1) == labels).sum()
-            totals[2] += labels.numel()
+            totals[2] += (labels != IGNORED).sum()  # pad_batches' padding: not counted
         loss_sum, correct, count = reduce_value(totals).tolist()  # all ranks participate
         return loss_sum / count, correct / count
 

@@ -211,7 +211,7 @@ def main(argv=None):
 
         @torch.no_grad()
         def evaluate_all():
-            """Exact: a rank with fewer test batches runs empty ones (forward is collective);
+            """Exact: a rank with fewer test batches runs padding (forward is collective);
             evaluate() sums each TP group's totals tp times, so the ratios are exact."""
             padded = pad_batches(test_loader, test_set[0], device)
             return evaluate(model, padded, device, autocast())

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from checkpoint import append_metrics
 from common import ArgumentParser, check_flags, fail, print0, reduce_value
-from data import DATASETS, TEXT
+from data import DATASETS, IGNORED, TEXT
 from profiling import add_flags
 
 
@@ -91,7 +91,7 @@ def evaluate(model, loader, device, autocast=None):
         flat = logits.flatten(0, -2).float()  # (samples or tokens, classes)
         totals[0] += F.cross_entropy(flat, labels.flatten(), reduction="sum")
         totals[1] += (logits.argmax(-1) == labels).sum()
-        totals[2] += labels.numel()
+        totals[2] += (labels != IGNORED).sum()  # data.pad_batches' padding: not counted
     loss_sum, correct, count = reduce_value(totals).tolist()
     return loss_sum / count, correct / count
 

@@ -201,9 +201,7 @@ def formulas(layout, args):
 
 def corpus(args):
     """A text of argparse.py's bytes whose held-out twentieth (data.load_text) is exactly 16
-    sequences: every data-parallel row of every layout evaluates the same number of batches.
-    (A row with fewer gets an empty batch, whose reshape from 0 x seq x dim to 0 x dim in a
-    tensor-parallel layer loops forever where seq = dim, PyTorch 2.14.1: results.md.)"""
+    sequences: a short evaluation, the same number of batches in every data-parallel row."""
     path = Path(os.environ.get("TMPDIR", "/tmp")) / f"nd_costs_{os.getpid()}.txt"  # each its own
     text = Path(argparse.__file__).read_bytes() * (1 + args.seq_len // 256)
     path.write_bytes(text[: 20 * (16 * args.seq_len + 1)])

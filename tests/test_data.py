@@ -194,3 +194,29 @@ def test_small_images_train_at_their_own_size(tmp_path):
     assert "(28x28 images)" in proc.stdout
     proc = run_python(["ddp_train.py", *argv, "--image-size", "20"])
     assert "(20x20 images)" in proc.stdout
+
+
+@pytest.mark.parametrize("kind", ["images", "text"])
+def test_evaluation_padding_is_one_sample_that_counts_for_nothing(kind, monkeypatch):
+    """data.pad_batches tops a rank's test batches up to the most any rank has (here, as if
+    another rank had 3 more) with batches that go through the model like any other, at least
+    one sample each (an empty one never returns from tensor parallelism's reshape where seq
+    == dim: nd_parallel.py --dp 2 --tp 2 --dim 32 --seq-len 32 hung), and training.evaluate's
+    loss and accuracy over them are those of the real batches alone."""
+    import training
+
+    if kind == "images":  # 50 images: 2 batches, the last one short
+        images, labels = torch.randn(50, 1, 8, 8), torch.randint(0, 10, (50,))
+        test_set = torch.utils.data.TensorDataset(images, labels)
+        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+    else:
+        test_set = data.TextWindows(torch.arange(2000, dtype=torch.uint8) % 251, 16)
+        model = torch.nn.Sequential(torch.nn.Embedding(256, 8), torch.nn.Linear(8, 256))
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(test_set, 32)
+    alone = training.evaluate(model, loader, torch.device("cpu"))
+    monkeypatch.setattr(data, "get_world_size", lambda: 2)
+    monkeypatch.setattr(data.dist, "all_reduce", lambda t, op: t.add_(3))  # another rank's MAX
+    padded = list(data.pad_batches(loader, test_set[0], torch.device("cpu")))
+    assert len(padded) == len(loader) + 3 and all(len(x) >= 1 for x, _ in padded)
+    assert training.evaluate(model, padded, torch.device("cpu")) == alone
