@@ -99,7 +99,9 @@ def test_two_processes_train_the_vit_as_one_does(sharded, references):
     assert_same_training(sharded, references["vit"], "vit")
 
 
-@pytest.mark.parametrize("model, nproc", [("mlp", 3), ("vit", 3)])  # 2 processes: `sharded`
+@pytest.mark.parametrize(  # 2 processes: `sharded`
+    "model, nproc", [("mlp", 3), pytest.param("vit", 3, marks=pytest.mark.slow)]
+)
 def test_sharded_training_equals_one_process(tmp_path, references, model, nproc):
     out = train(tmp_path, "run", nproc, model)
     assert read_metrics(out)[-1]["world_size"] == nproc

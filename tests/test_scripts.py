@@ -140,6 +140,7 @@ for script in (tensor_parallel, context_parallel, expert_parallel):
 """
 
 
+@pytest.mark.slow
 def test_tensor_context_and_expert_parallel_each_train_on_two_processes(tmp_path):
     """Two steps of 2 x 8 samples each, then evaluation and model.pt: metrics.jsonl says 2
     processes and a finite loss; model.pt loads into the script's model; expert_parallel.py's
