@@ -1,5 +1,5 @@
-"""Real data, Fashion-MNIST: ddp_train.py with its default hyper-parameters (2 processes), and
-finetune.py's transfer from classes 0-4 to a few labels of classes 5-9.
+"""Real data, Fashion-MNIST: ddp_train.py with its default hyper-parameters for 3 epochs (2
+processes), and finetune.py's transfer from classes 0-4 to a few labels of classes 5-9.
 
 The files are read from data/FashionMNIST/raw (where .ci/run unpacks them), or unpacked here
 from Debian's dataset-fashion-mnist package. Absent, the tests are skipped, unless
@@ -42,15 +42,15 @@ def data_dir(tmp_path_factory):
     pytest.skip(message)
 
 
-def test_defaults_reach_90_percent(tmp_path, data_dir):
+def test_three_epochs_of_the_defaults_reach_90_percent(tmp_path, data_dir):
+    # Every default but --epochs (the schedule then fitted to 3): 91.4% here (2026-11-27), in
+    # 3/5 of the defaults' training, whose 92.0% README's Results give (run_all.py); at 2
+    # epochs 90.7%, too near the line for other CPUs' rounding.
     out = tmp_path / "out"
-    proc = torchrun(
-        2,
-        ["ddp_train.py", "--device", "cpu", "--data-dir", data_dir, "--output-dir", out],
-        timeout=540,
-    )
+    argv = ["ddp_train.py", "--device", "cpu", "--data-dir", data_dir, "--output-dir", out]
+    proc = torchrun(2, [*argv, "--epochs", "3"], timeout=540)
     metrics = read_metrics(out)
-    assert len(metrics) == 5  # the default --epochs
+    assert len(metrics) == 3
     assert metrics[-1]["test_acc"] >= 0.90, proc.stdout
 
 
