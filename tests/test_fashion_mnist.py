@@ -1,5 +1,5 @@
-"""Real data, Fashion-MNIST: ddp_train.py with its default hyper-parameters (2 processes), and
-finetune.py's transfer from classes 0-4 to a few labels of classes 5-9.
+"""Real data, Fashion-MNIST: ddp_train.py with its default hyper-parameters for 3 epochs (2
+processes), and finetune.py's transfer from classes 0-4 to a few labels of classes 5-9.
 
 The files are read from data/FashionMNIST/raw (where .ci/run unpacks them), or unpacked here
 from Debian's dataset-fashion-mnist package. Absent, the tests are skipped, unless
@@ -42,28 +42,48 @@ def data_dir(tmp_path_factory):
     pytest.skip(message)
 
 
-def test_defaults_reach_90_percent(tmp_path, data_dir):
+def test_three_epochs_of_the_defaults_reach_90_percent(tmp_path, data_dir):
+    # Every default but --epochs (the schedule then fitted to 3): 91.4% here (2026-11-27), in
+    # 3/5 of the defaults' training, whose 92.0% README's Results give (run_all.py); at 2
+    # epochs 90.7%, too near the line for other CPUs' rounding.
     out = tmp_path / "out"
-    proc = torchrun(
-        2,
-        ["ddp_train.py", "--device", "cpu", "--data-dir", data_dir, "--output-dir", out],
-        timeout=540,
-    )
+    argv = ["ddp_train.py", "--device", "cpu", "--data-dir", data_dir, "--output-dir", out]
+    proc = torchrun(2, [*argv, "--epochs", "3"], timeout=540)
     metrics = read_metrics(out)
-    assert len(metrics) == 5  # the default --epochs
+    assert len(metrics) == 3
     assert metrics[-1]["test_acc"] >= 0.90, proc.stdout
+
+
+def cut_test_set(data_dir, root, count):
+    """A --data-dir at root: data_dir's training files linked, its test files cut to their first
+    `count` images and labels (an idx file: a header, then one fixed-size record a sample)."""
+    raw = root / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True)
+    for f in FILES:
+        src = (data_dir / "FashionMNIST" / "raw" / f).resolve()
+        if f.startswith("train"):
+            (raw / f).symlink_to(src)
+            continue
+        data = src.read_bytes()
+        header = 4 + 4 * int(f[-7])  # the magic number, then one 4-byte size a dimension
+        record = (len(data) - header) // int.from_bytes(data[4:8], "big")
+        cut = data[:4] + count.to_bytes(4, "big") + data[8 : header + count * record]
+        (raw / f).write_bytes(cut)
+    return root
 
 
 def test_fine_tuning_from_other_classes_beats_training_from_scratch(tmp_path, data_dir):
     # A ResNet-18 learns classes 0-4 (T-shirt, trouser, pullover, dress, coat) from random
     # weights: one epoch over 2,000 training images of each (a third of them, for the suite's
     # time; the whole base took 4 minutes here). Then classes 5-9 (sandal, shirt, sneaker,
-    # bag, ankle boot) from 50 labelled images each, 20 steps of 12 in one epoch (one
-    # evaluation of the 5,000 test images: evaluations cost more than these steps), starting
+    # bag, ankle boot) from 50 labelled images each, 20 steps of 12 in one epoch, starting
     # from those weights or from random ones. The flags are the same, and everything trains
     # at one rate (--trainable-layers 5 --backbone-lr-scale 1), so the start is the only
     # difference. 64 pixels: at 32 a random network's features are about as good as learnt
-    # ones for this pair (README.md, "Transfer").
+    # ones for this pair (README.md, "Transfer"). Each run is evaluated on the first 2,000
+    # test images (about 1,000 of its classes): the three evaluations of all 5,000 cost a
+    # third of the test's time, more than the few-shot runs' steps.
+    data_dir = cut_test_set(data_dir, tmp_path / "data", 2000)
 
     def finetune(*flags, out):
         script = ["finetune.py", "--device", "cpu", "--data-dir", data_dir, "--image-size", "64"]

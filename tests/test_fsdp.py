@@ -270,16 +270,17 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path):
     """The second save dies after every rank wrote its shards; the rerun resumes from the
     first checkpoint. So does one that finds only checkpoint.old (a crash between the renames)."""
     out = tmp_path / "out"
-    argv = [*FAST, "--model", "mlp", "--batch-size", "6", "--output-dir", out]
+    # 2000 samples / 200 a global batch: 10 steps an epoch (at --batch-size 6, 166 steps an
+    # epoch took most of the test's time; two epochs of any length make the point).
+    argv = [*FAST, "--model", "mlp", "--batch-size", "100", "--output-dir", out]
     argv += ["--epochs", "3", "--max-steps", "0"]
-    epoch = ["--data", "synthetic"]  # 2000 samples / 12: 166 steps an epoch
     probe = ["tests/fsdp_probe.py", "crash-in-save", tmp_path]
-    proc = torchrun(2, [*probe, "--", *argv, *epoch], check=False)
+    proc = torchrun(2, [*probe, "--", *argv], check=False)
     assert proc.returncode != 0
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[1])["epoch"] == 1
     (out / "checkpoint").rename(out / "checkpoint.old")
-    proc = torchrun_workers(2, ["fsdp_train.py", *argv, "--max-steps", "167"])
-    assert "resumed from" in proc.stdout and "at epoch 1, step 0 of 166" in proc.stdout
+    proc = torchrun_workers(2, ["fsdp_train.py", *argv, "--max-steps", "11"])
+    assert "resumed from" in proc.stdout and "at epoch 1, step 0 of 10" in proc.stdout
     assert [m["epoch"] for m in read_metrics(out)] == [0, 1]
     assert not (out / "checkpoint.old").exists() and not (out / "checkpoint.tmp").exists()
 
