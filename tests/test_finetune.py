@@ -82,6 +82,7 @@ def check_frozen_and_trained(out, pretrained, trained_prefixes):
     return before, after
 
 
+@pytest.mark.slow
 def test_linear_probe_trains_the_head_only(probe, pretrained):
     _, after = check_frozen_and_trained(probe, pretrained, ("fc.",))
     # The checkpoint is a plain ResNet-18 with a 10-class head: it loads as it is.
@@ -94,6 +95,7 @@ def test_linear_probe_trains_the_head_only(probe, pretrained):
     assert [len(g["params"]) for g in ckpt["optimizer"]["param_groups"]] == [2]
 
 
+@pytest.mark.slow
 def test_partial_finetune_trains_layer4_and_keeps_frozen_statistics(tmp_path, pretrained):
     argv = ["--weights-file", pretrained, "--trainable-layers", "1", "--batch-size", "32"]
     run_python(["finetune.py", *FAST, *argv, "--output-dir", tmp_path])

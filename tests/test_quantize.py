@@ -244,6 +244,7 @@ def test_speedups_are_the_measured_ratios(quantized):
         assert r[m]["throughput_speedup"] == pytest.approx(speedup)
 
 
+@pytest.mark.slow
 def test_timer_measures_each_model_by_itself():
     """Models that sleep 20 ms and 100 ms per call: the timer finds each one's own time, not
     its neighbour's, at every shape (sleeps dwarf the machine's noise)."""

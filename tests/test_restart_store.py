@@ -83,6 +83,7 @@ def attempt(port, restart, mode):
     return results
 
 
+@pytest.mark.slow
 def test_restarted_workers_form_a_new_group_in_the_failed_attempts_store():
     port = free_port()
     # The agent's store, which outlives every attempt's workers.
