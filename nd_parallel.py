@@ -100,7 +100,7 @@ def get_args(argv=None):
     add("--replicate", type=int, default=1, help="HSDP: --dp as R replicas x dp/R shards")
     add("--pipeline-schedule", default="1f1b", choices=PIPELINE_SCHEDULES, help="its order")
     add("--stages-per-rank", type=int, help="stages per process (interleaved: 2; a V: 2)")
-    add("--microbatches", "--micro-batches", type=int, help="per step (default: the stages)")
+    add("--microbatches", type=int, help="per step (default: the stages)")
     add("--batch-size", type=int, help="sequences per data-parallel row per step (default 8)")
     args = p.parse_args(argv)
     at_least_1 = ("pp", "dp", "cp", "tp", "replicate", "microbatches", "stages_per_rank")

@@ -191,7 +191,7 @@ def formulas(layout, args):
     # (resharded after it) and once for the backwards (kept until the last), the root once,
     # every gradient reduce-scattered once: (n-1)/n ((M + 1) W_blocks + W_root + W), each
     # tensor padded to n equal shards of rows (positions, one row: n rows).
-    micro = pp if pp > 1 else 1  # nd_parallel.py's default --micro-batches
+    micro = pp if pp > 1 else 1  # nd_parallel.py's default --microbatches
     w = {k: 4 * -(-s[0] // n) * n * s[1:].numel() for k, s in stage_shapes(layout, args).items()}
     root = sum(b for k, b in w.items() if not k.startswith("blocks."))
     whole = sum(w.values())
