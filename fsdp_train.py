@@ -187,11 +187,13 @@ def main(argv=None):
         shard(model)
         offload = args.cpu_offload and info.distributed  # one process: no FSDP to offload
         model.to_empty(device=torch.device("cpu") if offload else device)
-        for module in model.modules() if offload else ():  # FSDP offloads parameters:
-            for name, buffer in module.named_buffers(recurse=False):  # buffers (BatchNorm's
-                setattr(module, name, buffer.to(device))  # statistics) stay with the forward
         fill = StateDictOptions(full_state_dict=True, broadcast_from_rank0=info.distributed)
         set_model_state_dict(model, initial or {}, options=fill)  # all ranks participate
+        # FSDP offloads the parameters; buffers (BatchNorm's statistics) stay with the forward.
+        # Moved after the fill, which refuses a model on two devices ("Multiple devices found").
+        for module in model.modules() if offload else ():
+            for name, buffer in module.named_buffers(recurse=False):
+                setattr(module, name, buffer.to(device))
         raw_model = model  # no torch.compile wrapper
         if args.checkpoint_activations:
             for block in units(model):
