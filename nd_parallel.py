@@ -42,7 +42,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from checkpoint import (
@@ -74,6 +73,7 @@ from profiling import Profiler, flop_rates, step_flops
 from training import (
     PIPELINE_SCHEDULES,
     check_pipeline_schedule,
+    clip_grad_norm,
     end_epoch,
     log_loss,
     pipeline_schedule,
@@ -224,26 +224,6 @@ def parallelize(model, mesh, layout, tokens, amp, keep_gathered=False):
         for block in blocks:  # keep_gathered: from its forward to the step's end (see train)
             fully_shard(block, reshard_after_forward=not keep_gathered, **policy)
         fully_shard(model, **policy)
-
-
-def clip_grad_norm(params, max_norm, pp_group):
-    """Scale the gradients to a norm of at most max_norm over the whole model: DTensors' squares
-    summed over the processes that hold their pieces (per device mesh: FSDP's, TP's, both),
-    plain tensors' as they are, then the stages' sums added over the pipeline (all ranks)."""
-    grads, squares = [p.grad for p in params if p.grad is not None], {}
-    for g in grads:
-        key = g.device_mesh if isinstance(g, DTensor) else None
-        squares[key] = squares.get(key, 0) + g.float().square().sum()
-    total = sum(
-        (s.full_tensor() if isinstance(s, DTensor) else s for s in squares.values()),
-        torch.zeros((), device=grads[0].device),
-    )
-    if pp_group is not None:
-        dist.all_reduce(total, group=pp_group)  # each stage's share of the whole norm
-    scale = (max_norm / (total.sqrt() + 1e-6)).clamp(max=1)
-    for g in grads:
-        g.mul_(scale)
-    return total.sqrt()
 
 
 def whole_state(model, pp_group):
