@@ -36,7 +36,6 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     set_model_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
@@ -46,7 +45,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from checkpoint import (
     TrainState,
-    atomic_write,
+    export_whole,
     find_checkpoint,
     initial_state,
     publish_sharded,
@@ -65,7 +64,6 @@ from common import (
     print0,
     reduce_value,
     require_torch,
-    together,
 )
 from data import IGNORED, load_datasets, pad_batches, shard_loaders
 from models import GPT, generate, keep_stage, param_groups
@@ -224,20 +222,6 @@ def parallelize(model, mesh, layout, tokens, amp, keep_gathered=False):
         for block in blocks:  # keep_gathered: from its forward to the step's end (see train)
             fully_shard(block, reshard_after_forward=not keep_gathered, **policy)
         fully_shard(model, **policy)
-
-
-def whole_state(model, pp_group):
-    """The whole model's state_dict in rank 0's CPU memory (None elsewhere): each stage's
-    gathered from its pieces (all ranks participate), the stages' joined over the pipeline."""
-    options = StateDictOptions(full_state_dict=True)
-    stage = {k: v.cpu() for k, v in get_model_state_dict(model, options=options).items()}
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if pp_group is None:
-        return stage if rank0 else None
-    parts = [None] * dist.get_world_size(pp_group) if rank0 else None
-    if dist.get_global_rank(pp_group, 0) == 0:  # the pipeline of rank 0 (the others: none)
-        dist.gather_object(stage, parts, dst=0, group=pp_group)
-    return {k: v for part in parts for k, v in part.items()} if rank0 else None
 
 
 def train(args, info):
@@ -445,11 +429,7 @@ def train(args, info):
 
     profiler.stop()
     # The whole model in one file that loads into models.GPT (all ranks participate).
-    full = whole_state(model, pp_group)
-    paths = list(filter(None, [out and out / "model.pt", args.export]))
-    together(
-        lambda: [atomic_write(p, lambda tmp: torch.save(full, tmp)) for p in paths], run=rank == 0
-    )
+    full = export_whole(model, filter(None, [out and out / "model.pt", args.export]), pp_group)
     if full is not None:  # rank 0: a sample of what the GPT learnt
         print0("sample:", generate(GPT(256, tokens, args.dim, args.depth, args.heads), full))
 
