@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -272,14 +273,22 @@ def publish_sharded(out, meta):
         shutil.rmtree(old, ignore_errors=True)
 
 
-def export_whole(model, paths):
+def export_whole(model, paths, pp_group=None):
     """The whole model's state_dict, gathered into rank 0's CPU memory (all ranks participate),
     written to each path there: a file that loads without FSDP or DTensor. Returns it on rank 0
-    (None elsewhere)."""
+    (None elsewhere). With pp_group (nd_parallel.py's pipeline: each process holds its stages'
+    pieces), each stage's gathered whole on its processes, then joined over rank 0's pipeline."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # cpu_offload: on rank 0 alone, which would leave a later stage's processes nothing
+    options = StateDictOptions(full_state_dict=True, cpu_offload=pp_group is None)
     whole = get_model_state_dict(model, options=options)
+    if pp_group is not None:
+        stage = {k: v.cpu() for k, v in whole.items()}
+        parts = [None] * dist.get_world_size(pp_group) if is_main_process() else None
+        if dist.get_global_rank(pp_group, 0) == 0:  # the pipeline of rank 0 (the others: none)
+            dist.gather_object(stage, parts, dst=0, group=pp_group)
+        whole = {k: v for part in parts or [] for k, v in part.items()}
 
     def write():  # a bad path stops every rank
         for path in paths:

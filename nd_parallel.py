@@ -4,11 +4,11 @@ parallel processes (--pp x --dp x --cp x --tp = the processes; any may be 1), as
 In the order the anchors compose them (torchtitan's parallelize_llama, picotron): the blocks
 cut into pipeline stages, --stages-per-rank of them on each of --pp processes (under the whole
 model's names), each block's linear layers split over --tp processes (Megatron's columns and
-rows), each sequence's tokens over --cp processes (zigzag chunks; K and V all-gathered with
-their positions), and FSDP over dp x cp together (the same weights on every process of both;
---replicate R: HSDP, R replicas, each sharded over dp/R x cp);
---pipeline-schedule (model_parallel.py's: 1f1b, gpipe, interleaved, zero bubble, in a V) runs
-micro-batches through the stages. Which layout when: README.
+rows; --sequence-parallel: its norms and residuals by token), each sequence's tokens over --cp
+processes (zigzag chunks; K and V all-gathered with their positions), and FSDP over dp x cp
+together (the same weights on every process of both; --replicate R: HSDP, R replicas, each
+sharded over dp/R x cp); --pipeline-schedule (model_parallel.py's: 1f1b, gpipe, interleaved,
+zero bubble, in a V) runs micro-batches through the stages. Which layout when: README.
 
     8 processes, --pp 2 --dp 2 --tp 2:  stage 0 [[0, 1], [2, 3]]  stage 1 [[4, 5], [6, 7]]
                                         (rows: dp; in a row, a tensor-parallel pair)
@@ -36,18 +36,23 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     set_model_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from checkpoint import (
     TrainState,
-    atomic_write,
+    export_whole,
     find_checkpoint,
     initial_state,
     publish_sharded,
@@ -66,7 +71,6 @@ from common import (
     print0,
     reduce_value,
     require_torch,
-    together,
 )
 from data import IGNORED, load_datasets, pad_batches, shard_loaders
 from models import GPT, generate, keep_stage, param_groups
@@ -74,6 +78,7 @@ from profiling import Profiler, flop_rates, step_flops
 from training import (
     PIPELINE_SCHEDULES,
     check_pipeline_schedule,
+    clip_grad_norm,
     end_epoch,
     log_loss,
     pipeline_schedule,
@@ -97,6 +102,7 @@ def get_args(argv=None):
     add("--dp", type=int, help="data-parallel degree (default: what the others leave)")
     add("--cp", type=int, default=1, help="context-parallel degree (tokens of each sequence)")
     add("--tp", type=int, default=1, help="tensor-parallel degree (heads of each block)")
+    add("--sequence-parallel", action="store_true", help="norms, residuals by token (TP > 1)")
     add("--replicate", type=int, default=1, help="HSDP: --dp as R replicas x dp/R shards")
     add("--pipeline-schedule", default="1f1b", choices=PIPELINE_SCHEDULES, help="its order")
     add("--stages-per-rank", type=int, help="stages per process (interleaved: 2; a V: 2)")
@@ -131,6 +137,9 @@ def check_layout(args, world):
             f"--cp {cp} cuts each sequence into {2 * cp} chunks; --seq-len {args.seq_len} "
             "does not divide evenly"
         )
+    if args.sequence_parallel and (tp == 1 or args.seq_len // cp % tp):  # even pieces
+        mine = f"the {args.seq_len // cp} tokens of each process (--seq-len / --cp)"
+        fail(f"--sequence-parallel cuts {mine} over --tp {tp}: tp must be over 1 and divide them")
     micro = args.microbatches or pp * per_rank
     if args.batch_size % micro:
         fail(f"--microbatches {micro} does not divide --batch-size {args.batch_size}")
@@ -193,8 +202,13 @@ def joined(chunks):
     return model
 
 
-def parallelize(model, mesh, layout, tokens, amp, keep_gathered=False):
-    """Tensor, context, then data parallelism on one pipeline stage (in place)."""
+def by_token(src, dst):
+    """A module's input, a plain tensor laid out as src (Shard(1): by token), moved to dst."""
+    return PrepareModuleInput(input_layouts=src, desired_input_layouts=dst, use_local_output=True)
+
+
+def parallelize(model, mesh, layout, tokens, amp, keep_gathered=False, sequence_parallel=False):
+    """Tensor (and sequence), context, then data parallelism on one pipeline stage (in place)."""
     pp, dp, cp, tp, *_, replicas = layout
     blocks = list(filter(None, model.blocks))
     if tp > 1:
@@ -202,9 +216,24 @@ def parallelize(model, mesh, layout, tokens, amp, keep_gathered=False):
         # MLP features), proj and fc2 by input features, their partial sums added by one
         # all-reduce per pair (tensor_parallel.py tells it at length).
         plan = {name: ColwiseParallel() for name in ("attn.q", "attn.k", "attn.v", "mlp.fc1")}
-        plan |= {"attn.proj": RowwiseParallel(), "mlp.fc2": RowwiseParallel()}
+        rows = RowwiseParallel()
+        if sequence_parallel:
+            # Sequence parallelism: between the pairs the residual stream and the norms hold
+            # 1/tp of this process's tokens, a plain (batch, tokens / tp, dim) tensor, and so
+            # does what a stage sends the next (1/tp of the bytes); each all-reduce becomes a
+            # reduce-scatter to them, then an all-gather of every token before the columns.
+            rows = RowwiseParallel(output_layouts=Shard(1))  # a reduce-scatter
+            norm = SequenceParallel(use_local_output=True)
+            gather = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
+            plan |= {"norm1": norm, "norm2": norm, "attn": gather, "mlp": gather}
+        plan |= {"attn.proj": rows, "mlp.fc2": rows}
         for block in blocks:
             parallelize_module(block, mesh["tp"], plan)
+        # The first block's input cut by token; the final norm's joined: the head sees all.
+        ends = [(model.blocks[0], Replicate(), Shard(1)), (model.norm, Shard(1), Replicate())]
+        for module, src, dst in ends if sequence_parallel else []:
+            if module is not None:  # the first stage's, the last stage's
+                parallelize_module(module, mesh["tp"], by_token(src, dst))
     if cp > 1:  # per token but for attention: the blocks' attention sees every token
         group = mesh["cp"].get_group()
         for block in blocks:
@@ -224,40 +253,6 @@ def parallelize(model, mesh, layout, tokens, amp, keep_gathered=False):
         for block in blocks:  # keep_gathered: from its forward to the step's end (see train)
             fully_shard(block, reshard_after_forward=not keep_gathered, **policy)
         fully_shard(model, **policy)
-
-
-def clip_grad_norm(params, max_norm, pp_group):
-    """Scale the gradients to a norm of at most max_norm over the whole model: DTensors' squares
-    summed over the processes that hold their pieces (per device mesh: FSDP's, TP's, both),
-    plain tensors' as they are, then the stages' sums added over the pipeline (all ranks)."""
-    grads, squares = [p.grad for p in params if p.grad is not None], {}
-    for g in grads:
-        key = g.device_mesh if isinstance(g, DTensor) else None
-        squares[key] = squares.get(key, 0) + g.float().square().sum()
-    total = sum(
-        (s.full_tensor() if isinstance(s, DTensor) else s for s in squares.values()),
-        torch.zeros((), device=grads[0].device),
-    )
-    if pp_group is not None:
-        dist.all_reduce(total, group=pp_group)  # each stage's share of the whole norm
-    scale = (max_norm / (total.sqrt() + 1e-6)).clamp(max=1)
-    for g in grads:
-        g.mul_(scale)
-    return total.sqrt()
-
-
-def whole_state(model, pp_group):
-    """The whole model's state_dict in rank 0's CPU memory (None elsewhere): each stage's
-    gathered from its pieces (all ranks participate), the stages' joined over the pipeline."""
-    options = StateDictOptions(full_state_dict=True)
-    stage = {k: v.cpu() for k, v in get_model_state_dict(model, options=options).items()}
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if pp_group is None:
-        return stage if rank0 else None
-    parts = [None] * dist.get_world_size(pp_group) if rank0 else None
-    if dist.get_global_rank(pp_group, 0) == 0:  # the pipeline of rank 0 (the others: none)
-        dist.gather_object(stage, parts, dst=0, group=pp_group)
-    return {k: v for part in parts for k, v in part.items()} if rank0 else None
 
 
 def train(args, info):
@@ -315,7 +310,7 @@ def train(args, info):
     # stage holds then: those the forward used only if FSDP keeps them gathered (else lost).
     gathered = pp > 1 and schedule_name in ("interleaved-zb", "zbv", "dualpipev")
     for chunk in chunks:
-        parallelize(chunk, mesh, layout, tokens, args.amp, gathered)
+        parallelize(chunk, mesh, layout, tokens, args.amp, gathered, args.sequence_parallel)
         chunk.to_empty(device=device)
     model = joined(chunks)  # what the optimizer, clipping and checkpoints see
     # Not strict: rank 0's whole model holds every stage's names, each stage takes its own.
@@ -385,10 +380,11 @@ def train(args, info):
         totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
         for inputs, labels in pad_batches(test_loader, test_set[0], device):
             inputs, labels = split(inputs.to(device), labels.to(device))
+            sent = (len(inputs), inputs.shape[1] // (tp if args.sequence_parallel else 1))
             x = inputs  # through the stages this process holds, in order: s takes s - 1's output
             for s, chunk in zip(ids, chunks, strict=True):
                 if s > 0 and owner[s - 1] != pp_rank:  # another process's
-                    x = torch.zeros(*inputs.shape, args.dim, device=device)
+                    x = torch.zeros(*sent, args.dim, device=device)
                     dist.recv(x, peer(s - 1), group=pp_group)
                 with autocast():
                     x = chunk(x)
@@ -465,11 +461,7 @@ def train(args, info):
 
     profiler.stop()
     # The whole model in one file that loads into models.GPT (all ranks participate).
-    full = whole_state(model, pp_group)
-    paths = list(filter(None, [out and out / "model.pt", args.export]))
-    together(
-        lambda: [atomic_write(p, lambda tmp: torch.save(full, tmp)) for p in paths], run=rank == 0
-    )
+    full = export_whole(model, filter(None, [out and out / "model.pt", args.export]), pp_group)
     if full is not None:  # rank 0: a sample of what the GPT learnt
         print0("sample:", generate(GPT(256, tokens, args.dim, args.depth, args.heads), full))
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -59,7 +59,15 @@ from common import cleanup, fail, init_distributed_mode, peer_failure, print0, r
 from data import load_datasets, pad_batches, shard_loaders
 from models import build_model, generate, param_groups
 from profiling import Profiler, flop_rates, step_flops
-from training import end_epoch, evaluate, log_loss, sharded_args, sharded_parser, warmup_cosine
+from training import (
+    clip_grad_norm,
+    end_epoch,
+    evaluate,
+    log_loss,
+    sharded_args,
+    sharded_parser,
+    warmup_cosine,
+)
 
 
 def get_args(argv=None):
@@ -99,21 +107,6 @@ def block_plan(sequence_parallel):
     rows = RowwiseParallel(output_layouts=Shard(1))  # outputs: this process's tokens
     plan |= {"attn.proj": rows, "mlp.fc2": rows}
     return plan | {"norm1": SequenceParallel(), "norm2": SequenceParallel()}
-
-
-def clip_grad_norm(params, max_norm):
-    """Scale the gradients to a global norm of at most max_norm. clip_grad_norm_ cannot mix
-    what they are here: DTensors whose squares sum over the processes holding their pieces, on
-    one mesh or two, and plain tensors (the same on every process of a TP group)."""
-    grads, squares = [p.grad for p in params if p.grad is not None], {}
-    for g in grads:  # squares summed per device mesh (None: plain tensors), one all-reduce each
-        key = g.device_mesh if isinstance(g, DTensor) else None
-        squares[key] = squares.get(key, 0) + g.float().square().sum()
-    total = sum(s.full_tensor() if isinstance(s, DTensor) else s for s in squares.values())
-    scale = (max_norm / (total.sqrt() + 1e-6)).clamp(max=1)
-    for g in grads:
-        g.mul_(scale)
-    return total.sqrt()
 
 
 def main(argv=None):

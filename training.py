@@ -1,12 +1,14 @@
 """What a training loop needs beside its strategy: the sharded scripts' shared flags,
-the learning-rate schedule and its fast-forward on resume, exact evaluation, and the loss and
-epoch lines (the epoch's record in metrics.jsonl)."""
+the learning-rate schedule and its fast-forward on resume, exact evaluation, gradient clipping
+over DTensors, and the loss and epoch lines (the epoch's record in metrics.jsonl)."""
 
 import math
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from checkpoint import append_metrics
 from common import ArgumentParser, check_flags, fail, print0, reduce_value
@@ -110,6 +112,28 @@ def warmup_cosine(optimizer, warmup_fraction, total_steps, start=0):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     fast_forward(scheduler, start)
     return scheduler
+
+
+def clip_grad_norm(params, max_norm, pp_group=None):
+    """Scale the gradients to a norm of at most max_norm over the whole model (tensor_parallel.py,
+    nd_parallel.py), which clip_grad_norm_ cannot take when DTensors and plain tensors mix: the
+    DTensors' squares summed over the processes that hold their pieces (per device mesh: FSDP's,
+    TP's, both), plain tensors' as they are (the same on every process that holds them); with
+    pp_group, the pipeline stages' sums added over it (each stage's share of the whole norm)."""
+    grads, squares = [p.grad for p in params if p.grad is not None], {}
+    for g in grads:  # squares summed per device mesh (None: plain tensors), one all-reduce each
+        key = g.device_mesh if isinstance(g, DTensor) else None
+        squares[key] = squares.get(key, 0) + g.float().square().sum()
+    total = sum(
+        (s.full_tensor() if isinstance(s, DTensor) else s for s in squares.values()),
+        torch.zeros((), device=grads[0].device),
+    )
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)  # all ranks participate
+    scale = (max_norm / (total.sqrt() + 1e-6)).clamp(max=1)
+    for g in grads:
+        g.mul_(scale)
+    return total.sqrt()
 
 
 def amp_note(amp, device):

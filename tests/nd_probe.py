@@ -68,13 +68,13 @@ def end_epoch(metrics, record):
 
 def save(*args, **kwargs):
     real_save(*args, **kwargs)
-    seen["saved"] = module.whole_state(model["stage"], model["pp_group"])
+    seen["saved"] = module.export_whole(model["stage"], [], model["pp_group"])
 
 
 def load(*args, **kwargs):
     real_load(*args, **kwargs)
     seen["grads"].clear()  # set_state_dict's step of zero gradients, to make AdamW's state
-    seen["loaded"] = module.whole_state(model["stage"], model["pp_group"])
+    seen["loaded"] = module.export_whole(model["stage"], [], model["pp_group"])
 
 
 real_parallelize = module.parallelize

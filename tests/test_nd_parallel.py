@@ -28,14 +28,16 @@ LAYOUTS = [(pp, 8 // (pp * cp * tp), cp, tp) for pp in (1, 2) for cp in (1, 2) f
     (4, 2, 1, 1),
     (1, 2, 1, 4),
 ]
+SP = ":--sequence-parallel"  # on at (1, 2, 2, 2), (2, 1, 2, 2); off at the other tp 2 layouts
+SPECS = [",".join(map(str, x)) + (SP if x in [(1, 2, 2, 2), (2, 1, 2, 2)] else "") for x in LAYOUTS]
 HSDP = "1,4,1,2:--replicate=2"  # dp 4 as 2 replicas x 2 shards, each block over tp 2
 SAVE, RESUME = "2,2,1,2,2", "1,4,2,1,3"
-# At 4 processes: pp 2 x tp 2 and dp 2 x cp 2 (1F1B), then the schedules of several stages per
-# process (4 stages of one block each); dualpipev at pp 2 x dp 2 saves after 2 steps (2 stages
-# a process in a V), interleaved 1F1B at pp 2 x tp 2 (in a loop) takes the third from its
-# checkpoint. The quick tier's launch: pp 2 x dp 2 in a V (zbv).
+# At 4 processes: pp 2 x tp 2 (sequence parallel) and dp 2 x cp 2 (1F1B), then the schedules
+# of several stages per process (4 stages of one block each); dualpipev at pp 2 x dp 2 saves
+# after 2 steps (2 stages a process in a V), interleaved 1F1B at pp 2 x tp 2 (in a loop) takes
+# the third from its checkpoint. The quick tier's launch: pp 2 x dp 2 in a V (zbv).
 PS = ":--pipeline-schedule="  # nd_probe.py: the flags after a layout
-FOUR = ["2,1,1,2", "1,2,2,1", f"2,1,1,2{PS}interleaved-1f1b", f"2,1,2,1{PS}interleaved-zb"]
+FOUR = [f"2,1,1,2{SP}", "1,2,2,1", f"2,1,1,2{PS}interleaved-1f1b", f"2,1,2,1{PS}interleaved-zb"]
 SAVE4, RESUME4 = f"2,2,1,1,2{PS}dualpipev", f"2,1,1,2,3{PS}interleaved-1f1b"
 QUICK = f"2,2,1,1{PS}zbv"
 
@@ -120,7 +122,7 @@ def one(tmp_path_factory, small_text):
 def test_every_layout_takes_the_steps_of_one_process(tmp_path, small_text, one):
     """8 processes, every layout in turn, against one process; then 2 x 2 x 2 -> 1 x 4 x 2 ->
     one process through the checkpoints, every weight loaded as it was saved."""
-    specs = [",".join(map(str, layout)) for layout in LAYOUTS] + [HSDP]
+    specs = [*SPECS, HSDP]
     probe(8, tmp_path / "eight", small_text, [*specs, SAVE, RESUME])
     worst = {spec: assert_same_steps(report(tmp_path / "eight", spec), one) for spec in specs}
     whole = sum(t.numel() for t in initial().values())
@@ -150,9 +152,9 @@ def test_a_pipeline_in_a_v_over_fsdp_takes_the_steps_of_one_process(tmp_path, sm
 
 @pytest.mark.slow
 def test_four_processes_take_the_steps_of_one_process(tmp_path, small_text, one):
-    """pp 2 x tp 2 and dp 2 x cp 2 (1F1B); then schedules of several stages per process
-    (4 stages of one block): interleaved 1F1B at pp 2 x tp 2, interleaved zero bubble at
-    pp 2 x cp 2, dualpipev at pp 2 x dp 2."""
+    """pp 2 x tp 2 with sequence parallelism and dp 2 x cp 2 (1F1B); then schedules of several
+    stages per process (4 stages of one block): interleaved 1F1B at pp 2 x tp 2, interleaved
+    zero bubble at pp 2 x cp 2, dualpipev at pp 2 x dp 2."""
     probe(4, tmp_path, small_text, [*FOUR, SAVE4, RESUME4])
     worst = {spec: assert_same_steps(report(tmp_path, spec), one) for spec in FOUR}
     saved, resumed = report(tmp_path, SAVE4), report(tmp_path, RESUME4)
@@ -172,6 +174,7 @@ def test_four_processes_take_the_steps_of_one_process(tmp_path, small_text, one)
         (["--pp", "2", "--microbatches", "1"], 2, "1f1b needs --microbatches >= stages (2); got 1"),
         (["--replicate", "2"], 3, "--replicate 2 does not divide --dp 3"),
         (["--cp", "3", "--seq-len", "15"], 3, "--cp 3 cuts each sequence into 6 chunks"),
+        (["--tp", "2", "--sequence-parallel", "--seq-len", "15"], 2, "cuts the 15 tokens of each"),
     ],
 )
 def test_a_bad_layout_is_one_line_on_every_rank(small_text, flags, world, expected):
