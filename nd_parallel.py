@@ -348,11 +348,11 @@ def train(args, info):
 
     out = sharded_output(args.output_dir)  # every rank writes there: every rank checks
     profiler = Profiler(args.profile, rank, device)  # a trace of a few steps per rank
-    with torch.device("meta"):  # a step's FLOPs: the whole model on the global batch
-        flops = step_flops(
-            GPT(256, tokens, args.dim, args.depth, args.heads),
-            train_set[0][0].expand(global_batch, tokens),
-        )
+    flops = 0  # a step's FLOPs, the whole model's on the global batch: rank 0 reports them
+    if rank == 0:  # (the count takes a second of CPU: the others, many on a node, skip it)
+        with torch.device("meta"):
+            whole_gpt = GPT(256, tokens, args.dim, args.depth, args.heads)
+            flops = step_flops(whole_gpt, train_set[0][0].expand(global_batch, tokens))
 
     # The optimizer, made after the cuts: it holds (and steps) this process's pieces only.
     lr = args.lr * global_batch / 256

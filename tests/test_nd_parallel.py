@@ -147,7 +147,13 @@ def test_a_pipeline_in_a_v_over_fsdp_takes_the_steps_of_one_process(tmp_path, sm
     """The quick tier's parity: pp 2 x dp 2, zbv (2 stages per process in a V, rank 0 the first
     and the last), each stage's blocks FSDP-sharded over the 2 data-parallel processes."""
     probe(4, tmp_path, small_text, [QUICK])
-    print("worst gradient difference / norm:", assert_same_steps(report(tmp_path, QUICK), one))
+    got = report(tmp_path, QUICK)
+    print("worst gradient difference / norm:", assert_same_steps(got, one))
+    # The FLOPs of a step, rank 0's count (the others skip it): the whole model's on the global
+    # batch, whatever the layout, as one process counts them.
+    flops = [r["records"][-1] for r in (got, one)]
+    flops = [r["flops_per_second"] * r["epoch_seconds"] / STEPS for r in flops]
+    assert flops[0] == pytest.approx(flops[1], rel=1e-9) and flops[0] > 0
 
 
 @pytest.mark.slow
