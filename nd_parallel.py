@@ -214,19 +214,20 @@ def parallelize(model, mesh, layout, tokens, amp, keep_gathered=False, sequence_
     if tp > 1:
         # Megatron's cut: q, k, v and fc1 by output features (each process whole heads, whole
         # MLP features), proj and fc2 by input features, their partial sums added by one
-        # all-reduce per pair (tensor_parallel.py tells it at length).
+        # all-reduce per pair (tensor_parallel.py tells it at length). q, k and v share one
+        # input DTensor (not a copy each): in backward, one all-reduce adds its gradient.
         plan = {name: ColwiseParallel() for name in ("attn.q", "attn.k", "attn.v", "mlp.fc1")}
-        rows = RowwiseParallel()
+        rows, arriving = RowwiseParallel(), Replicate()  # each block's input
         if sequence_parallel:
             # Sequence parallelism: between the pairs the residual stream and the norms hold
             # 1/tp of this process's tokens, a plain (batch, tokens / tp, dim) tensor, and so
             # does what a stage sends the next (1/tp of the bytes); each all-reduce becomes a
             # reduce-scatter to them, then an all-gather of every token before the columns.
-            rows = RowwiseParallel(output_layouts=Shard(1))  # a reduce-scatter
+            rows, arriving = RowwiseParallel(output_layouts=Shard(1)), Shard(1)
             norm = SequenceParallel(use_local_output=True)
-            gather = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
-            plan |= {"norm1": norm, "norm2": norm, "attn": gather, "mlp": gather}
-        plan |= {"attn.proj": rows, "mlp.fc2": rows}
+            plan |= {"norm1": norm, "norm2": norm}
+        gather = PrepareModuleInput(input_layouts=arriving, desired_input_layouts=Replicate())
+        plan |= {"attn": gather, "mlp": gather, "attn.proj": rows, "mlp.fc2": rows}
         for block in blocks:
             parallelize_module(block, mesh["tp"], plan)
         # The first block's input cut by token; the final norm's joined: the head sees all.

@@ -182,9 +182,9 @@ def formulas(layout, args):
     a, blocks = b * t * d * 4, args.depth // pp
     n = dp * cp
     out = {"pp": a if pp > 1 else 0}  # stage 0 sends each micro-batch's output on
-    # Per block, 2 all-reduces of a in forward (attn.proj's, mlp.fc2's partial sums) and 4 in
-    # backward (the gradients of the inputs of q, k, v, each its own, and of fc1).
-    out["tp"] = blocks * 6 * 2 * (tp - 1) / tp * a
+    # Per block, 2 all-reduces of a in forward (attn.proj's, mlp.fc2's partial sums) and 2 in
+    # backward (the gradients of the input q, k and v share, and of fc1's).
+    out["tp"] = blocks * 4 * 2 * (tp - 1) / tp * a
     # Per block, K and V (2 a / tp) all-gathered in forward, their gradients reduce-scattered.
     out["cp"] = blocks * 2 * (cp - 1) * 2 * a / tp
     # FSDP over n = dp x cp: each block gathered in the forward of each of the M micro-batches
