@@ -28,9 +28,11 @@ LAYOUTS = [(pp, 8 // (pp * cp * tp), cp, tp) for pp in (1, 2) for cp in (1, 2) f
     (4, 2, 1, 1),
     (1, 2, 1, 4),
 ]
-SP = ":--sequence-parallel"  # on at (1, 2, 2, 2), (2, 1, 2, 2); off at the other tp 2 layouts
-SPECS = [",".join(map(str, x)) + (SP if x in [(1, 2, 2, 2), (2, 1, 2, 2)] else "") for x in LAYOUTS]
-HSDP = "1,4,1,2:--replicate=2"  # dp 4 as 2 replicas x 2 shards, each block over tp 2
+# Sequence parallelism on at (1, 2, 2, 2) (with CP) and under HSDP; off at the other tp layouts
+# ((2, 1, 2, 2): CP and TP without it). At 4 processes: with the pipeline.
+SP = ":--sequence-parallel"
+SPECS = [",".join(map(str, x)) + (SP if x == (1, 2, 2, 2) else "") for x in LAYOUTS]
+HSDP = f"1,4,1,2:--replicate=2{SP}"  # dp 4 as 2 replicas x 2 shards, each block over tp 2
 SAVE, RESUME = "2,2,1,2,2", "1,4,2,1,3"
 # At 4 processes: pp 2 x tp 2 (sequence parallel) and dp 2 x cp 2 (1F1B), then the schedules
 # of several stages per process (4 stages of one block each); dualpipev at pp 2 x dp 2 saves
