@@ -183,6 +183,7 @@ def test_four_processes_take_the_steps_of_one_process(tmp_path, small_text, one)
         (["--replicate", "2"], 3, "--replicate 2 does not divide --dp 3"),
         (["--cp", "3", "--seq-len", "15"], 3, "--cp 3 cuts each sequence into 6 chunks"),
         (["--tp", "2", "--sequence-parallel", "--seq-len", "15"], 2, "cuts the 15 tokens of each"),
+        (["--sequence-parallel"], 1, "over --tp 1: tp must be over 1"),
     ],
 )
 def test_a_bad_layout_is_one_line_on_every_rank(small_text, flags, world, expected):
