@@ -167,20 +167,11 @@ def plain_process(monkeypatch):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """KILLABLE's run by 2 processes that nothing stops: the weights every restart must reach."""
+    """KILLABLE's run by 2 processes that nothing stops: the weights every restart must reach.
+    torchrun's workers without its agent (torchrun_workers: forked, where torchrun starts 3
+    fresh interpreters); what the agent adds, restarts, is what the tests below launch."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    proc = run(
-        [
-            *TORCHRUN,
-            "--standalone",
-            "--nproc_per_node=2",
-            "ddp_train.py",
-            *KILLABLE,
-            "--output-dir",
-            out,
-        ]
-    )
-    assert proc.returncode == 0, proc.stderr
+    torchrun_workers(2, ["ddp_train.py", *KILLABLE, "--output-dir", out])
     return checkpoint.load_checkpoint(out / "checkpoint.pt")["model"]
 
 
