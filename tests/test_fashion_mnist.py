@@ -75,15 +75,15 @@ def cut_test_set(data_dir, root, count):
 def test_fine_tuning_from_other_classes_beats_training_from_scratch(tmp_path, data_dir):
     # A ResNet-18 learns classes 0-4 (T-shirt, trouser, pullover, dress, coat) from random
     # weights: one epoch over 1,000 training images of each (a sixth of them, for the suite's
-    # time: its 78 steps of 64 are most of the test's work; the whole base took 4 minutes
-    # here). Then classes 5-9 (sandal, shirt, sneaker, bag, ankle boot) from 50 labelled
-    # images each, 20 steps of 12 in one epoch, starting from those weights or from random
-    # ones. The flags are the same, and everything trains at one rate (--trainable-layers 5
-    # --backbone-lr-scale 1), so the start is the only difference. 64 pixels: at 32 a random
-    # network's features are about as good as learnt ones for this pair (README.md,
-    # "Transfer"). Each run is evaluated on the first 2,000 test images (about 1,000 of its
-    # classes): the three evaluations of all 5,000 cost a third of the test's time (with a
-    # base of 2,000 a class), more than the few-shot runs' steps.
+    # time: its 78 steps of 64 are about 3/4 of the test's FLOPs, 156 were 7/8; the whole
+    # base took 4 minutes here). Then classes 5-9 (sandal, shirt, sneaker, bag, ankle boot)
+    # from 50 labelled images each, 20 steps of 12 in one epoch, starting from those weights
+    # or from random ones. The flags are the same, and everything trains at one rate
+    # (--trainable-layers 5 --backbone-lr-scale 1), so the start is the only difference. 64
+    # pixels: at 32 a random network's features are about as good as learnt ones for this
+    # pair (README.md, "Transfer"). Each run is evaluated on the first 2,000 test images
+    # (about 1,000 of its classes): the three evaluations of all 5,000 cost a third of the
+    # test's time (with a base of 2,000 a class), more than the few-shot runs' steps.
     data_dir = cut_test_set(data_dir, tmp_path / "data", 2000)
 
     def finetune(*flags, out):
