@@ -60,7 +60,8 @@ PHASES = {
 }
 GRACE = 10  # seconds between SIGTERM and SIGKILL when a command is stopped
 NATIVE_BOUND = 20  # seconds for a stalled command's native stacks (all its processes at once)
-TF32_OFF = {"NVIDIA_TF32_OVERRIDE": "0"}  # read by cuBLAS and cuDNN when they load
+TF32_KEY = "NVIDIA_TF32_OVERRIDE"
+TF32_OFF = {TF32_KEY: "0"}  # read by cuBLAS and cuDNN when they load
 # test_gpu.py's environment for every run: cuBLAS repeats its bits only with a fixed workspace.
 TEST_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", **TF32_OFF}
 
@@ -381,7 +382,13 @@ class Check:
             self.start = self.forked
 
     def forked(self, cmd, cwd, env):
-        if cmd[0] == PY and not self.server.needs_fresh(cmd[1:], env):
+        # On the CPU no cuBLAS or cuDNN loads to read TF32's override: a command whose
+        # environment differs from the server's by it alone is forked too (the child still gets
+        # its own environment). In the dry mode: 10 fresh starts fewer (phases a-c).
+        seen = env
+        if self.args.cpu and TF32_KEY in self.server.env:
+            seen = env | {TF32_KEY: self.server.env[TF32_KEY]}
+        if cmd[0] == PY and not self.server.needs_fresh(cmd[1:], seen):
             return self.server.popen(cmd, cwd, env, new_session=True)
         return start_fresh(cmd, cwd, env)
 
