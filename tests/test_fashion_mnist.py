@@ -97,7 +97,7 @@ def test_fine_tuning_from_other_classes_beats_training_from_scratch(tmp_path, da
 
     base_flags = ["--weights", "none", "--classes", "0-4", "--train-per-class", "1000"]
     _, base = finetune(*base_flags, "--epochs", "1", out="base")
-    assert base["test_acc"] >= 0.85  # it learnt its own classes
+    assert base["test_acc"] >= 0.80  # it learnt its own classes (0.889 at seed 0; chance 0.2)
     few = ["--classes", "5-9", "--train-per-class", "50", "--batch-size", "12", "--epochs", "1"]
     few += ["--lr", "0.4", "--trainable-layers", "5", "--backbone-lr-scale", "1"]
     proc, tuned = finetune(*few, "--weights-file", tmp_path / "base" / "checkpoint.pt", out="tuned")
