@@ -226,8 +226,9 @@ def parallelize(model, mesh, layout, tokens, amp, keep_gathered=False, sequence_
             rows, arriving = RowwiseParallel(output_layouts=Shard(1)), Shard(1)
             norm = SequenceParallel(use_local_output=True)
             plan |= {"norm1": norm, "norm2": norm}
-        gather = PrepareModuleInput(input_layouts=arriving, desired_input_layouts=Replicate())
-        plan |= {"attn": gather, "mlp": gather, "attn.proj": rows, "mlp.fc2": rows}
+        # Every token, one DTensor that q, k, v (fc1) share: gathered first under SP.
+        whole = PrepareModuleInput(input_layouts=arriving, desired_input_layouts=Replicate())
+        plan |= {"attn": whole, "mlp": whole, "attn.proj": rows, "mlp.fc2": rows}
         for block in blocks:
             parallelize_module(block, mesh["tp"], plan)
         # The first block's input cut by token; the final norm's joined: the head sees all.
