@@ -132,7 +132,7 @@ def test_every_layout_takes_the_steps_of_one_process(tmp_path, small_text, one):
     print("rank 0's share of the parameters:", held)
     for spec in specs:  # built on the meta device and cut: rank 0 holds pieces, never all
         assert held[spec] < 0.5, spec
-    for spec in specs:  # model.pt: the whole model, every stage's, as the checkpoint holds it
+    for spec in specs:  # model.pt: the whole model, every stage's, as rank 0 exported it
         whole_file = torch.load(tmp_path / "eight" / spec / "out" / "model.pt")
         assert_same_weights(whole_file, report(tmp_path / "eight", spec)["saved"])
     print("worst gradient difference / norm:", worst)
