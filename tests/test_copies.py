@@ -1,8 +1,8 @@
 """The copies of the data-parallel loop cannot drift apart unnoticed.
 
 dp_train.py (one process, nn.DataParallel), ddp_mp_spawn.py (2 processes from mp.spawn),
-ddp_train.py and ddp_comm.py (torchrun, 2 processes) each hold their own training loop. From
-the same seed and the same global batch (32 = 2 x 16) they must take the same optimizer
+ddp_train.py and ddp_comm.py (2 processes, torchrun's workers) each hold their own training
+loop. From the same seed and the same global batch (32 = 2 x 16) they must take the same optimizer
 steps: the same samples in each step (DistributedSampler's permutation, or dp_train's
 RandomSampler reseeded the same way), the same scaled learning rate and schedule, the same
 loss. The MLP has no BatchNorm, so 2 processes equal one up to float rounding. Checked
@@ -23,7 +23,7 @@ from conftest import (
     max_abs_diff,
     run_python,
     run_ranks,
-    torchrun,
+    torchrun_workers,
 )
 
 import models
@@ -76,12 +76,12 @@ def mp_spawn(out, *extra):
 
 def ddp(out, *extra):
     argv = [*ARGS, *DIST_TIMEOUT, "--batch-size", "16", "--output-dir", out, *extra]
-    torchrun(2, ["ddp_train.py", *argv], timeout=TIMEOUT)
+    torchrun_workers(2, ["ddp_train.py", *argv], timeout=TIMEOUT)
 
 
 def comm(out, *extra):  # no communication option: plain DDP
     argv = [*ARGS, *DIST_TIMEOUT, "--batch-size", "16", "--output-dir", out, *extra]
-    torchrun(2, ["ddp_comm.py", *argv], timeout=TIMEOUT)
+    torchrun_workers(2, ["ddp_comm.py", *argv], timeout=TIMEOUT)
 
 
 LAUNCH = {"dp_train": dp, "ddp_mp_spawn": mp_spawn, "ddp_train": ddp, "ddp_comm": comm}
@@ -97,7 +97,7 @@ def straight(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory):
-    """ddp_train.py (torchrun, 2 processes) stopped after its first epoch."""
+    """ddp_train.py (2 processes) stopped after its first epoch."""
     out = tmp_path_factory.mktemp("ddp_stopped")
     ddp(out, *EPOCH)
     return out

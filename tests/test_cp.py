@@ -12,9 +12,7 @@ import torch.nn.functional as F
 from conftest import (
     DIST_TIMEOUT,
     METRIC_KEYS,
-    ROOT,
     SYNTHETIC,
-    clean_env,
     docstring_launches_reach_the_mesh,
     last_json,
     one_line_errors,
@@ -202,15 +200,13 @@ common.cleanup()
 
 
 @pytest.mark.slow
-def test_ring_equals_allgather_and_what_each_sends_and_saves(tmp_path):
+def test_ring_equals_allgather_and_what_each_sends_and_saves():
     """At CP 2, 4 blocks, a batch of 6, one forward and backward of each way against one
     process: the logits and the gradients (summed over the group); the ring's against the
     all-gather's; the sends and collectives per attention layer; the bytes saved for
     backward (half of one process's with the ring: every activation is per token, the ring
     keeps only this process's K/V); and an empty batch."""
-    (tmp_path / "count.py").write_text(COUNT)
-    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = run_python([*launch, tmp_path / "count.py"], env=clean_env(PYTHONPATH=str(ROOT)))
+    proc = torchrun_workers(2, ["-c", COUNT])  # torchrun's 2 workers, forked
     report = last_json(proc.stdout)
     one, ring, gather = report["one"], report["ring"], report["allgather"]
     for impl in (ring, gather):
@@ -422,7 +418,7 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_causal_ring_computes_what_it_must_balances_and_sends_bf16(tmp_path):
+def test_causal_ring_computes_what_it_must_balances_and_sends_bf16():
     """The causal ring at CP 2 (two groups) and CP 4, both balances, a batch of 2 x 2 heads x 32
     tokens x 8: each rank's output and gradients equal one process's causal attention at its
     positions; its attention FLOPs are those of the blocks it must compute: a key chunk after
@@ -431,9 +427,7 @@ def test_causal_ring_computes_what_it_must_balances_and_sends_bf16(tmp_path):
     process r computes r + 1 blocks of (T/CP)^2; zigzag: every process 2 CP + 1 of
     (T/2CP)^2, the same work. K/V travel in their dtype (bf16: half the bytes); the gradient
     accumulator that goes round in backward stays fp32."""
-    (tmp_path / "ring.py").write_text(RING)
-    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
-    proc = run_python([*launch, tmp_path / "ring.py"], env=clean_env(PYTHONPATH=str(ROOT)))
+    proc = torchrun_workers(4, ["-c", RING])  # torchrun's 4 workers, forked
     reports = last_json(proc.stdout)
     n, h, t, d = 2, 2, 32, 8
     for rank, report in enumerate(reports):

@@ -15,7 +15,6 @@ from conftest import (
     METRIC_KEYS,
     ROOT,
     SYNTHETIC,
-    clean_env,
     last_json,
     moe_vit,
     one_line_errors,
@@ -343,9 +342,7 @@ def test_experts_that_receive_no_token_match_one_process(tmp_path):
     """Every token picks experts 0 and 1 (rank 0's): rank 1 sends all its rows, receives none,
     runs its experts on nothing. The outputs and every gradient equal one process's; the idle
     experts' gradients are zeros (stacked with the busy ones: never None)."""
-    (tmp_path / "empty.py").write_text(EMPTY)
-    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    run_python([*launch, tmp_path / "empty.py", tmp_path], env=clean_env(PYTHONPATH=str(ROOT)))
+    torchrun_workers(2, ["-c", EMPTY, tmp_path])  # torchrun's 2 workers, forked
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in reports:
         diff, rows = r["diff"], 2 * 4 * 2  # each rank: 2 images x 4 tokens x 2 choices

@@ -13,7 +13,6 @@ from conftest import (
     SYNTHETIC,
     read_metrics,
     single_process_eval,
-    torchrun,
     torchrun_workers,
 )
 
@@ -35,7 +34,7 @@ def test_training_run_evaluates_exactly(ddp_run):
 def test_eval_only_matches_single_process(ddp_run, nproc):
     out, _ = ddp_run
     ckpt = out / "checkpoint.pt"
-    proc = torchrun(
+    proc = torchrun_workers(
         nproc, ["ddp_train.py", *SYNTHETIC, *DIST_TIMEOUT, "--eval-only", "--resume", ckpt]
     )
     found = re.findall(
@@ -55,7 +54,7 @@ def test_eval_only_matches_single_process(ddp_run, nproc):
 def test_three_processes_evaluate_exactly(tmp_path):
     # The MLP has no BatchNorm, so every rank holds rank 0's weights: the figures written at
     # full precision by 3 processes (shards of 167, 166, 166) are one process's.
-    torchrun(3, ["ddp_train.py", *MLP_ARGS, "--batch-size", "16", "--output-dir", tmp_path])
+    torchrun_workers(3, ["ddp_train.py", *MLP_ARGS, "--batch-size", "16", "--output-dir", tmp_path])
     [metrics] = read_metrics(tmp_path)
     loss, acc = single_process_eval(tmp_path / "checkpoint.pt", MLP_ARGS)
     assert metrics["world_size"] == 3

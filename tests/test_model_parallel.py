@@ -1,8 +1,8 @@
 """model_parallel.py in its three modes, each against the unsplit model on one device:
 1. naive (one process, stages on cpu,cpu), 2. micro-batched in one process, 3. one process
-per stage (real torchrun processes, gloo on CPU). Each takes the same steps, evaluates
-exactly, writes a checkpoint that loads into the unsplit model and resumes in any mode;
-bad input stops with one line, on every rank.
+per stage (gloo on CPU; torchrun's workers, forked, or real torchrun where a test names it).
+Each takes the same steps, evaluates exactly, writes a checkpoint that loads into the unsplit
+model and resumes in any mode; bad input stops with one line, on every rank.
 
 The parity holds only if the stages pass the right activations and gradients, every stage
 reads the same batch, the micro-batch gradients are averaged (not summed), and the model has
@@ -92,7 +92,7 @@ def mp_runs(tmp_path_factory):
             nproc, flags = RUNS[name]
             out = tmp_path_factory.mktemp("mp_" + name.replace(" ", "_"))
             argv = ["model_parallel.py", *ARGS, *flags, "--output-dir", out]
-            runs[name] = out, (torchrun(nproc, argv) if nproc > 1 else run_python(argv))
+            runs[name] = out, (torchrun_workers(nproc, argv) if nproc > 1 else run_python(argv))
         return runs[name]
 
     return get
@@ -368,7 +368,7 @@ def test_multi_node_launch_runs(tmp_path):
     """The docstring's multi-node layout (2 nodes x 2 processes) as 4 processes on one node."""
     world = max(w for w, _ in docstring_launches())
     argv = ["model_parallel.py", *ARGS, "--max-steps", "2", "--output-dir", tmp_path]
-    proc = torchrun(world, argv, timeout=240)
+    proc = torchrun_workers(world, argv, timeout=240)
     assert f"mode 3: {world} processes (torchrun), 1f1b, {world} stages" in proc.stdout
     assert read_metrics(tmp_path)[0]["stages"] == world
 

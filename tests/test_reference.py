@@ -1,6 +1,6 @@
 """ddp_train.py's training flags against a reference written here, independently of it.
 
-Two processes under torchrun, with every hyper-parameter away from its default, take the
+Two processes (torchrun's workers), with every hyper-parameter away from its default, take the
 steps that a plain single-process loop written out below takes on the whole global batch:
 the same samples (DistributedSampler's permutation of (seed, epoch)), the same loss (label
 smoothing), gradient accumulation, clipping of the whole gradient's norm, Nesterov SGD with
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DIST_TIMEOUT, SYNTHETIC, load_ckpt, max_abs_diff, torchrun
+from conftest import DIST_TIMEOUT, SYNTHETIC, load_ckpt, max_abs_diff, torchrun_workers
 
 import data
 import models
@@ -80,7 +80,7 @@ def test_two_processes_take_the_reference_steps(tmp_path):
         "--max-steps",
         STEPS,
     ]
-    torchrun(WORLD, ["ddp_train.py", *argv, "--output-dir", tmp_path])
+    torchrun_workers(WORLD, ["ddp_train.py", *argv, "--output-dir", tmp_path])
     expected, norms = reference_weights()
     assert min(norms) < FLAGS["clip_grad"] < max(norms)  # some steps clipped, some not
     got = load_ckpt(tmp_path)["model"]

@@ -13,7 +13,7 @@ from conftest import (
     load_ckpt,
     read_metrics,
     run_python,
-    torchrun,
+    torchrun_workers,
 )
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -28,7 +28,8 @@ def stopped_run(ddp_run, tmp_path_factory):
     full, _ = ddp_run
     steps_per_epoch = load_ckpt(full)["steps_per_epoch"]
     out = tmp_path_factory.mktemp("stopped")
-    torchrun(2, ["ddp_train.py", *CNN_ARGS, "--max-steps", steps_per_epoch, "--output-dir", out])
+    argv = ["ddp_train.py", *CNN_ARGS, "--max-steps", steps_per_epoch, "--output-dir", out]
+    torchrun_workers(2, argv)
     ckpt = load_ckpt(out)
     assert (ckpt["epoch"], ckpt["step"], ckpt["world_size"]) == (1, steps_per_epoch, 2)
     assert [m["epoch"] for m in read_metrics(out)] == [0]
@@ -41,7 +42,7 @@ def test_resume_same_world_size_is_exact(ddp_run, stopped_run, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(stopped_run, out)
     # The same command again, without --max-steps: it finds out/checkpoint.pt and goes on.
-    proc = torchrun(2, ["ddp_train.py", *CNN_ARGS, "--output-dir", out])
+    proc = torchrun_workers(2, ["ddp_train.py", *CNN_ARGS, "--output-dir", out])
     assert "resumed from" in proc.stdout and "at epoch 1" in proc.stdout
     expected, resumed = load_ckpt(full), load_ckpt(out)
     # Weights, BatchNorm statistics and momentum continue as if never stopped.

@@ -13,9 +13,7 @@ import torch.nn.functional as F
 from conftest import (
     DIST_TIMEOUT,
     METRIC_KEYS,
-    ROOT,
     SYNTHETIC,
-    clean_env,
     docstring_launches_reach_the_mesh,
     last_json,
     one_line_errors,
@@ -193,14 +191,12 @@ common.cleanup()  # also the mesh's groups (see common.cleanup)
 
 
 @pytest.mark.slow
-def test_each_pair_of_split_layers_costs_one_collective_each_way(tmp_path):
+def test_each_pair_of_split_layers_costs_one_collective_each_way():
     """Per block (2 here), TP 2: an all-reduce per pair in forward (of the outputs) and one in
     backward (of the input's gradient; q, k and v share their input). Sequence parallelism:
     instead, an all-gather before each pair and a reduce-scatter after it, and the other way
     round in backward; plus the first block's cut by token and the final norm's join."""
-    (tmp_path / "count.py").write_text(COUNT)
-    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = run_python([*launch, tmp_path / "count.py"], env=clean_env(PYTHONPATH=str(ROOT)))
+    proc = torchrun_workers(2, ["-c", COUNT])  # torchrun's 2 workers, forked
     counts = last_json(proc.stdout)
     assert counts == {
         "tp forward all_reduce": 4,
