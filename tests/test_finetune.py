@@ -6,7 +6,6 @@ weights are a seeded random ResNet-18 saved here, or runs made here: nothing is 
 (a stand-in shows that the ranks of a node download one after another). Transfer against
 training from scratch, on real data, is in test_fashion_mnist.py."""
 
-import os
 import random
 import time
 
@@ -25,7 +24,7 @@ from conftest import (
     read_metrics,
     run_python,
     run_ranks,
-    torchrun,
+    torchrun_workers,
 )
 
 import data
@@ -109,11 +108,11 @@ def test_partial_finetune_trains_layer4_and_keeps_frozen_statistics(tmp_path, pr
 
 
 @pytest.mark.slow
-def test_torchrun_matches_single_process(tmp_path, probe, pretrained):
+def test_two_processes_match_single_process(tmp_path, probe, pretrained):
     # Head only: every BatchNorm is frozen (eval mode), so each sample's features do not
     # depend on the rest of its batch, and 2 x 16 equals 1 x 32 up to float rounding.
     argv = ["--weights-file", pretrained, "--trainable-layers", "0", "--batch-size", "16"]
-    torchrun(2, ["finetune.py", *FAST, *argv, "--output-dir", tmp_path])
+    torchrun_workers(2, ["finetune.py", *FAST, *argv, "--output-dir", tmp_path])
     reference, ckpt = load_ckpt(probe), load_ckpt(tmp_path)
     assert ckpt["world_size"] == 2
     # The test can fail: the head moved far from its initial value, the same for both runs
@@ -363,37 +362,36 @@ def test_unwritable_output_dir_stops_every_rank_with_the_cause(tmp_path):
     assert errors[0].startswith(f"error: output directory {tmp_path / 'file' / 'out'} is not")
 
 
-def _fetch_rank(rank, world, nodes, port, tmp):
-    """One rank of a gloo group of 3 on 2 "nodes" (ranks 0, 1 | 2), each node with its own
-    hub cache folder, that builds the model with --weights DEFAULT. torchvision's download is
-    replaced by a slow stand-in that logs when it starts and ends and whether the file was
-    already in this node's cache."""
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    cached = tmp / f"node{nodes[rank]}" / "resnet18.pth"
-
-    def fake_get_state_dict(self, progress=True, check_hash=False):
-        download = not cached.exists()
-        with open(tmp / "log", "a") as f:
-            f.write(f"{rank} {int(download)} start {time.time()}\n")
-        if download:
-            time.sleep(0.5)
-            cached.parent.mkdir(exist_ok=True)
-            cached.write_bytes(b"weights")
-        with open(tmp / "log", "a") as f:
-            f.write(f"{rank} {int(download)} end {time.time()}\n")
-        return torchvision.models.resnet18().state_dict()
-
-    torchvision.models.ResNet18_Weights.get_state_dict = fake_get_state_dict
-    local_rank = nodes[: rank + 1].count(nodes[rank]) - 1
-    try:
-        finetune.build_pretrained_resnet(
-            finetune.get_args(["--weights", "DEFAULT"]), 10, local_rank
-        )
-    finally:
-        dist.destroy_process_group()
+# One rank of a gloo group of 3 on 2 "nodes" (ranks 0, 1 | 2), each node with its own hub
+# cache folder, that builds the model with --weights DEFAULT: `python -c FETCH_RANK TMP` as
+# torchrun's workers (forked: mp.spawn's children would each import torch anew). torchvision's
+# download is replaced by a slow stand-in that logs when it starts and ends and whether the file
+# was already in this node's cache.
+FETCH_RANK = """
+import os, sys, time, torch.distributed as dist, torchvision
+from pathlib import Path
+import finetune
+rank, nodes, tmp = int(os.environ["RANK"]), [0, 0, 1], Path(sys.argv[1])
+dist.init_process_group("gloo")
+cached = tmp / f"node{nodes[rank]}" / "resnet18.pth"
+def fake_get_state_dict(self, progress=True, check_hash=False):
+    download = not cached.exists()
+    with open(tmp / "log", "a") as f:
+        f.write(f"{rank} {int(download)} start {time.time()}\\n")
+    if download:
+        time.sleep(0.5)
+        cached.parent.mkdir(exist_ok=True)
+        cached.write_bytes(b"weights")
+    with open(tmp / "log", "a") as f:
+        f.write(f"{rank} {int(download)} end {time.time()}\\n")
+    return torchvision.models.resnet18().state_dict()
+torchvision.models.ResNet18_Weights.get_state_dict = fake_get_state_dict
+local_rank = nodes[: rank + 1].count(nodes[rank]) - 1
+try:
+    finetune.build_pretrained_resnet(finetune.get_args(["--weights", "DEFAULT"]), 10, local_rank)
+finally:
+    dist.destroy_process_group()
+"""
 
 
 @pytest.mark.slow
@@ -401,7 +399,7 @@ def test_weights_download_once_per_node_while_the_others_wait(tmp_path):
     """Processes downloading into one cache at once could spoil the file. Global rank 0
     downloads first, then the first process of the other node; rank 1 (node 0's second
     process) only reads the cache, after rank 0's download ended."""
-    torch.multiprocessing.spawn(_fetch_rank, args=(3, [0, 0, 1], free_port(), tmp_path), nprocs=3)
+    torchrun_workers(3, ["-c", FETCH_RANK, tmp_path])
     events = {}
     for line in (tmp_path / "log").read_text().splitlines():
         rank, download, what, when = line.split()

@@ -23,7 +23,7 @@ from conftest import (
     read_metrics,
     run_ranks,
     single_process_eval,
-    torchrun,
+    torchrun_workers,
 )
 
 import models
@@ -70,8 +70,8 @@ def check_parity(out_dir, reference_dir):
     ids=["plain", "accum-steps", "workers"],
 )
 @pytest.mark.slow
-def test_torchrun_matches_single_process(tmp_path, mlp_reference, flags):
-    torchrun(2, ["ddp_train.py", *MLP_ARGS, *flags, "--output-dir", tmp_path])
+def test_two_processes_match_single_process(tmp_path, mlp_reference, flags):
+    torchrun_workers(2, ["ddp_train.py", *MLP_ARGS, *flags, "--output-dir", tmp_path])
     check_parity(tmp_path, mlp_reference)
 
 
