@@ -147,31 +147,6 @@ def onecycle_rate(peak, total_steps, steps):
     return scheduler.get_last_lr()[0]
 
 
-GLOBAL_32_THEN_16 = {
-    "dp_train": (["dp_train.py", "--batch-size", "32"], ["dp_train.py", "--batch-size", "16"]),
-    "ddp_mp_spawn": (
-        ["ddp_mp_spawn.py", "--nprocs", "2", "--batch-size", "16", *DIST_TIMEOUT],
-        ["ddp_mp_spawn.py", "--nprocs", "1", "--batch-size", "16", *DIST_TIMEOUT],
-    ),
-}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("script", GLOBAL_32_THEN_16)
-def test_resume_at_another_global_batch_takes_this_runs_rate(tmp_path, script):
-    """Stopped after epoch 0 at global batch 32, resumed at 16: epoch 1 follows a schedule
-    made for batch 16 (peak 0.8 x 16 / 256), not the checkpoint's peak (twice that), which
-    the optimizer's saved state carries. The replay of the schedule prints no warning."""
-    first, second = GLOBAL_32_THEN_16[script]
-    run_python([*first, *MLP_ARGS, "--max-steps", "62", "--output-dir", tmp_path])
-    proc = run_python([*second, *MLP_ARGS, "--output-dir", tmp_path])
-    assert "resumed from" in proc.stdout and "Warning" not in proc.stderr, proc.stderr
-    assert [m["epoch"] for m in read_metrics(tmp_path)] == [0, 1]
-    assert read_metrics(tmp_path)[1]["lr"] == pytest.approx(
-        onecycle_rate(0.8 * 16 / 256, 250, 250), rel=1e-9
-    )
-
-
 GLOBAL_32 = {
     "dp_train": ["dp_train.py", "--batch-size", "32"],
     "ddp_mp_spawn": ["ddp_mp_spawn.py", "--nprocs", "2", "--batch-size", "16", *DIST_TIMEOUT],
@@ -179,13 +154,53 @@ GLOBAL_32 = {
 }
 
 
+@pytest.fixture(scope="module")
+def stopped_at_global_32(tmp_path_factory):
+    """copy(script, folder): GLOBAL_32[script]'s run stopped after epoch 0 (62 steps), copied
+    into folder. Each script's run is made once, when a test first asks for it, and shared by
+    the tests that resume it (an mp.spawn launch starts 2 fresh interpreters)."""
+    made = {}
+
+    def copy(script, folder):
+        if script not in made:
+            made[script] = tmp_path_factory.mktemp(f"stopped_{script}")
+            argv = [*GLOBAL_32[script], *MLP_ARGS, "--max-steps", "62"]
+            run_python([*argv, "--output-dir", made[script]])
+        shutil.copytree(made[script], folder, dirs_exist_ok=True)
+
+    return copy
+
+
+AT_GLOBAL_16 = {
+    "dp_train": ["dp_train.py", "--batch-size", "16"],
+    "ddp_mp_spawn": ["ddp_mp_spawn.py", "--nprocs", "1", "--batch-size", "16", *DIST_TIMEOUT],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", AT_GLOBAL_16)
+def test_resume_at_another_global_batch_takes_this_runs_rate(
+    tmp_path, script, stopped_at_global_32
+):
+    """Stopped after epoch 0 at global batch 32, resumed at 16: epoch 1 follows a schedule
+    made for batch 16 (peak 0.8 x 16 / 256), not the checkpoint's peak (twice that), which
+    the optimizer's saved state carries. The replay of the schedule prints no warning."""
+    stopped_at_global_32(script, tmp_path)
+    proc = run_python([*AT_GLOBAL_16[script], *MLP_ARGS, "--output-dir", tmp_path])
+    assert "resumed from" in proc.stdout and "Warning" not in proc.stderr, proc.stderr
+    assert [m["epoch"] for m in read_metrics(tmp_path)] == [0, 1]
+    assert read_metrics(tmp_path)[1]["lr"] == pytest.approx(
+        onecycle_rate(0.8 * 16 / 256, 250, 250), rel=1e-9
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", GLOBAL_32)
-def test_resume_takes_this_runs_optimizer_flags(tmp_path, script):
+def test_resume_takes_this_runs_optimizer_flags(tmp_path, script, stopped_at_global_32):
     """Stopped after epoch 0, resumed with another --lr, --momentum and --weight-decay: epoch 1
     runs with the new ones (the optimizer's saved param groups hold the old), its rate on the
     schedule of the new --lr at the same point."""
-    run_python([*GLOBAL_32[script], *MLP_ARGS, "--max-steps", "62", "--output-dir", tmp_path])
+    stopped_at_global_32(script, tmp_path)
     new = ["--lr", "0.4", "--momentum", "0.5", "--weight-decay", "0"]
     run_python([*GLOBAL_32[script], *MLP_ARGS, *new, "--output-dir", tmp_path])
     [group] = load_ckpt(tmp_path)["optimizer"]["param_groups"]
@@ -227,14 +242,14 @@ def test_first_step_after_a_resume_at_another_batch_takes_this_runs_rate(no_laun
 
 
 @pytest.mark.slow
-def test_checkpoints_of_one_schedule_pass_between_the_scripts(no_launcher, tmp_path):
+def test_checkpoints_of_one_schedule_pass_between_the_scripts(
+    no_launcher, tmp_path, stopped_at_global_32
+):
     """dp_train.py's checkpoint resumes in ddp_train.py (both one-cycle); a ddp_train.py
     checkpoint on --schedule cosine is refused by dp_train.py in one line, not continued on
     one-cycle."""
     dp, cosine = tmp_path / "dp", tmp_path / "cosine"
-    run_python(
-        ["dp_train.py", *MLP_ARGS, "--batch-size", "32", "--max-steps", "62", "--output-dir", dp]
-    )
+    stopped_at_global_32("dp_train", dp)  # dp_train.py --batch-size 32, epoch 0
     ddp_train.main(list(map(str, [*MLP_ARGS, "--batch-size", "32", "--output-dir", dp])))
     assert [m["epoch"] for m in read_metrics(dp)] == [0, 1]
     assert load_ckpt(dp)["step"] == 124
