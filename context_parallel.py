@@ -71,10 +71,10 @@ def get_args(argv=None):
     add("--cp-impl", default="ring", choices=["ring", "allgather"], help="how K/V travel")
     balance = "which tokens each process holds (default: zigzag for gpt, contiguous for vit)"
     add("--cp-balance", choices=["zigzag", "contiguous"], help=balance)
-    add("--batch-size", type=int, help="samples per CP group per step (default 128; text: 16)")
+    add("--batch-size", type=int, help="samples per CP group per step (default 128; text: 8)")
     args = p.parse_args(argv)
     args.cp_balance = args.cp_balance or ("zigzag" if args.model == "gpt" else "contiguous")
-    return sharded_args(args, ("dp", "cp"), batch=(128, 16))
+    return sharded_args(args, ("dp", "cp"), batch=(128, 8))
 
 
 def layout(tokens, cp, balance):
@@ -350,7 +350,8 @@ def main(argv=None):
             flops = step_flops(unsplit(), sample.expand(global_batch, *sample.shape))
 
         lr = args.lr * global_batch / 256
-        optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr)  # GPT-2's
+        groups = param_groups(model, args.weight_decay)  # GPT-2's: decay on the matrices
+        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas)
 
         # Resume, as in fsdp_train.py: rank 0 finds and checks the checkpoint; every rank reads
         # the parts of the saved pieces that make up its own, on any mesh (all participate).

@@ -74,10 +74,10 @@ def get_args(argv=None):
     add("--aux-loss-weight", type=float, default=0.01, help="weight of the balancing loss")
     add("--ep", type=int, help="expert-parallel degree (default: all processes)")
     add("--model", default="vit", choices=["vit", "gpt"], help="gpt: on --data text")
-    add("--batch-size", type=int, help="samples per process per step (default 128; text: 8)")
+    add("--batch-size", type=int, help="samples per process per step (default 128; text: 4)")
     args = p.parse_args(argv)
     at_least_1 = ("experts", "top_k", "ep")
-    sharded_args(args, at_least_1, ("aux_loss_weight",), ("capacity_factor",), (128, 8))
+    sharded_args(args, at_least_1, ("aux_loss_weight",), ("capacity_factor",), (128, 4))
     if args.top_k > args.experts:
         fail(f"--top-k {args.top_k} is more than the {args.experts} experts")
     return args
@@ -316,7 +316,8 @@ def main(argv=None):
 
         # The optimizer, made after the cut: it holds (and steps) this process's experts.
         lr = args.lr * global_batch / 256
-        optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr)  # GPT-2's
+        groups = param_groups(model, args.weight_decay)  # GPT-2's: decay on the matrices
+        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas)
 
         # Resume: rank 0 finds and checks the checkpoint; every rank reads its pieces (any degree).
         state = dict(train=TrainState(model, optimizer))  # what DCP saves and loads

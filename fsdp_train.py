@@ -64,7 +64,7 @@ def get_args(argv=None):
     p = sharded_parser(__doc__)  # --data, --epochs, --lr, ..., --dist-timeout: training.py's
     add = p.add_argument
     add("--model", default="vit", choices=[*sorted(MODELS), "gpt"], help="gpt: on --data text")
-    per = "samples per process per micro-batch (default 128; text: 8 sequences)"
+    per = "samples per process per micro-batch (default 128; text: 4 sequences)"
     add("--batch-size", type=int, help=per)
     add("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
     reshard = "free a block's gathered weights after forward (--no-...: keep them for backward)"
@@ -81,7 +81,7 @@ def get_args(argv=None):
     add("--save-every", type=int, default=0, help="steps between mid-epoch checkpoints; 0: none")
     add("--async-save", action="store_true", help="write checkpoints while training goes on")
     args = p.parse_args(argv)
-    sharded_args(args, ("accum_steps", "replicate"), not_negative=("save_every",))
+    sharded_args(args, ("accum_steps", "replicate"), ("save_every",), batch=(128, 4))
     if (args.save_every or args.async_save) and not args.output_dir:
         fail("--save-every and --async-save need --output-dir (where the checkpoints go)")
     if args.checkpoint_activations and args.model not in ("vit", "resnet18", "gpt"):
@@ -212,7 +212,8 @@ def main(argv=None):
 
         # The optimizer, made after fully_shard: it holds (and steps) the local shards only.
         lr = args.lr * global_batch / 256
-        optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr)  # GPT-2's
+        groups = param_groups(model, args.weight_decay)  # GPT-2's: decay on the matrices
+        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas)
 
         # Resume: rank 0 finds the checkpoint and checks its meta.pt; every rank reads the parts
         # of the saved shards that make up its own, whatever the number of processes that

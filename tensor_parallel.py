@@ -77,9 +77,9 @@ def get_args(argv=None):
     add("--tp", type=int, help="tensor-parallel degree (default: processes / --dp)")
     add("--sequence-parallel", action="store_true", help="norms, residuals by token (TP > 1)")
     add("--model", default="vit", choices=["vit", "gpt"], help="gpt: on --data text")
-    add("--batch-size", type=int, help="samples per TP group per step (default 128; text: 16)")
+    add("--batch-size", type=int, help="samples per TP group per step (default 128; text: 8)")
     args = p.parse_args(argv)
-    return sharded_args(args, ("dp", "tp"), batch=(128, 16))
+    return sharded_args(args, ("dp", "tp"), batch=(128, 8))
 
 
 def move(src, dst, local=True):
@@ -187,7 +187,8 @@ def main(argv=None):
 
         # The optimizer, made after the split: it holds (and steps) this process's pieces.
         lr = args.lr * global_batch / 256
-        optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr)  # GPT-2's
+        groups = param_groups(model, args.weight_decay)  # GPT-2's: decay on the matrices
+        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas)
 
         # Resume, as in fsdp_train.py: rank 0 finds and checks the checkpoint; every rank reads
         # the parts of the saved pieces that make up its own, at any degree (all participate).

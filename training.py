@@ -27,16 +27,19 @@ def sharded_parser(doc):
     add("--download", action="store_true", help="download the data set if it is missing")
     add("--seq-len", type=int, default=256, help="text: bytes per sample (the context)")
     add("--epochs", type=int, help="passes over the training set (default 5; text: 1)")
-    peak = "peak AdamW rate per 256 samples of global batch (default 3e-3; text: 0.1)"
+    peak = "peak AdamW rate per 256 samples of global batch (default 3e-3; text: 0.14)"
     add("--lr", type=float, help=peak)
-    add("--dim", type=int, default=96, help="the transformer's width (vit, gpt)")
+    betas = "AdamW's moment decays (default 0.9 0.999; text: 0.9 0.95, as GPT-3 and nanoGPT)"
+    add("--betas", type=float, nargs=2, metavar=("B1", "B2"), help=betas)
+    add("--dim", type=int, help="the transformer's width (default 96; text: 128)")
     add("--heads", type=int, help="the transformer's attention heads (default 4; gpt: 2)")
-    add("--depth", type=int, default=4, help="the transformer's blocks (vit, gpt)")
+    add("--depth", type=int, help="the transformer's blocks (default 4; text: 2)")
     add("--weight-decay", type=float, default=0.05, help="AdamW's decoupled weight decay")
     add("--warmup", type=float, default=0.1, help="fraction of all steps spent warming up")
     add("--seed", type=int, default=0, help="seed for the weights and the shuffling")
     add("--amp", default="none", choices=["none", "bf16"], help="bf16: compute in bf16")
-    add("--clip-grad", type=float, default=0.0, help="max gradient norm; 0: no clipping")
+    clip = "max gradient norm; 0: no clipping (default 0; text: 1, as GPT-2 and nanoGPT)"
+    add("--clip-grad", type=float, help=clip)
     add("--resume", help="checkpoint directory (default: OUTPUT_DIR/checkpoint if any)")
     add("--eval-only", action="store_true", help="only evaluate the model given by --resume")
     add("--max-steps", type=int, default=0, help="stop after this many steps; 0: no limit")
@@ -52,12 +55,15 @@ def sharded_parser(doc):
 
 def sharded_args(args, at_least_1=(), not_negative=(), positive=(), batch=(128, 8)):
     """check_flags for a sharded script's flags, the shared ones' bounds added; the defaults
-    that depend on the data filled in, (images, text), for --epochs, --lr, --heads and
-    `batch`'s --batch-size. A text sample is a sequence of --seq-len bytes, an image one of 16
-    patches; the text defaults train the GPT to about 1.55 nats per byte in a few minutes on
-    2 CPU cores (README, Results)."""
+    that depend on the data filled in, (images, text), for --epochs, --lr, --betas,
+    --clip-grad, the shape and `batch`'s --batch-size. A text sample is a sequence of --seq-len
+    bytes, an image one of 16 patches; the text defaults (GPT-2's betas and clipping, 2 wide
+    blocks, small steps: benchmarks/results.md) train the GPT to about 1.42 nats per byte in a
+    few minutes on 2 CPU cores (README, Results)."""
     text = args.data == TEXT
-    defaults = dict(epochs=(5, 1), lr=(3e-3, 0.1), heads=(4, 2), batch_size=batch)
+    defaults = dict(epochs=(5, 1), lr=(3e-3, 0.14), betas=((0.9, 0.999), (0.9, 0.95)))
+    defaults.update(clip_grad=(0.0, 1.0), dim=(96, 128), depth=(4, 2), heads=(4, 2))
+    defaults.update(batch_size=batch)
     for name, (image, sequence) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, sequence if text else image)
@@ -66,6 +72,8 @@ def sharded_args(args, at_least_1=(), not_negative=(), positive=(), batch=(128, 
     not_negative = ("max_steps", "clip_grad", *not_negative)
     positive = ("lr", "dist_timeout", "peak_tflops", *positive)
     check_flags(args, at_least_1, not_negative, positive)
+    if not all(0 <= b < 1 for b in args.betas):
+        fail(f"--betas are decays, each in [0, 1); got {' '.join(map(str, args.betas))}")
     if not 0 <= args.warmup < 1:
         fail(f"--warmup is a fraction of the run, in [0, 1); got {args.warmup}")
     if args.eval_only and not args.resume:

@@ -412,6 +412,7 @@ def small_text(tmp_path_factory):
 
 
 def text_flags(path, seq_len=32):
-    """The flags of a GPT run on `path` (small_text), on the CPU."""
+    """The flags of a GPT run on `path` (small_text), on the CPU: the tests' GPT, 4 blocks of
+    96 (the images' shape, not the text default's), which their references build."""
     data = ["--data", "text", "--data-dir", str(path), "--seq-len", str(seq_len)]
-    return [*data, "--model", "gpt", "--device", "cpu"]
+    return [*data, "--model", "gpt", "--device", "cpu", "--dim", "96", "--depth", "4"]

@@ -56,6 +56,7 @@ real_adamw = torch.optim.AdamW
 def adamw(params, *args, **kwargs):
     optimizer = real_adamw(params, *args, **kwargs)
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    seen["betas"] = [tuple(group["betas"]) for group in optimizer.param_groups]
 
     def before_step(optimizer, *_):
         seen["grads"].append([whole(p.grad).clone() for p in params])

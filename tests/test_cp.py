@@ -345,10 +345,12 @@ def test_docstring_launches_make_a_valid_mesh(no_launcher, monkeypatch):
 
 
 def test_refusals(no_launcher):
-    with pytest.raises(SystemExit, match="--dim 96 is not a whole number of --heads 5"):
+    with pytest.raises(SystemExit, match="--dim 128 is not a whole number of --heads 5"):
         context_parallel.get_args(["--heads", "5"])
     with pytest.raises(SystemExit, match="--cp must be at least 1"):
         context_parallel.get_args(["--cp", "0"])
+    with pytest.raises(SystemExit, match=r"--betas are decays, each in \[0, 1\); got 0.9 1.0"):
+        context_parallel.get_args(["--betas", "0.9", "1"])
 
 
 @pytest.mark.slow

@@ -307,6 +307,14 @@ def test_the_scripts_decay_no_embedding_row(dense):
     assert not torch.equal(end[:128], start[:128])
 
 
+def test_text_runs_take_gpt3s_betas_by_default(dense, moe):
+    """No --betas on text: both of AdamW's groups decay the second moment by 0.95 (GPT-3's,
+    nanoGPT's), not PyTorch's 0.999, in fsdp_train.py and expert_parallel.py (tensor_parallel.py
+    and context_parallel.py take fsdp_train.py's steps: their parity tests)."""
+    for report, *_ in (dense, moe):
+        assert report["betas"] == [(0.9, 0.95), (0.9, 0.95)]
+
+
 def test_a_resumed_optimizer_keeps_this_runs_settings_group_by_group():
     """checkpoint.TrainState: the saved moments load into this run's optimizer, whose groups
     keep their own settings (a new --lr and --weight-decay; the no-decay group at 0), not the
