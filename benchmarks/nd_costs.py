@@ -8,7 +8,8 @@ One torchrun launch of --world processes runs nd_parallel.py's train() for each 
 (PP,DP,CP,TP) in turn, in the same processes, --steps steps each at the same global batch
 (--global-batch sequences, --batch-size global/DP per data-parallel row), on a small text
 (argparse.py's, cut: a short evaluation, see corpus()), the GPT --depth 8 --dim 256 --heads
-4 in fp32. Nothing in nd_parallel.py changes: the benchmark wraps what it calls from
+4 in fp32, unclipped (--clip-grad 0: the norm's few-byte all-reduces are not in the
+formulas). Nothing in nd_parallel.py changes: the benchmark wraps what it calls from
 outside. Counted (rank 0, from its tensors: a DTensor's local piece): its parameters; its
 gradients as the optimizer is about to step; AdamW's state after the step; the activations
 autograd saves for backward (weights not counted), the most alive at once in the last step
@@ -216,6 +217,7 @@ def measure(nd, layout, args, info, sent, saved):
     argv += ["--dim", args.dim, "--heads", args.heads, "--seq-len", args.seq_len]
     argv += ["--batch-size", args.global_batch // dp, "--max-steps", args.steps]
     argv += ["--data-dir", args.corpus, "--device", "cpu", "--dist-timeout", "600"]
+    argv += ["--clip-grad", "0"]  # text's default clips: a scalar all-reduce per mesh dimension
     run_args = nd.get_args([str(a) for a in argv])
     held, steps = dict(left=saved.live), []  # saved tensors still alive: not this layout's
     real_groups, real_log, real_adamw = nd.param_groups, nd.log_loss, torch.optim.AdamW
