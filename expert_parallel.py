@@ -316,8 +316,7 @@ def main(argv=None):
 
         # The optimizer, made after the cut: it holds (and steps) this process's experts.
         lr = args.lr * global_batch / 256
-        groups = param_groups(model, args.weight_decay)  # GPT-2's: decay on the matrices
-        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas)
+        optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr, betas=args.betas)
 
         # Resume: rank 0 finds and checks the checkpoint; every rank reads its pieces (any degree).
         state = dict(train=TrainState(model, optimizer))  # what DCP saves and loads

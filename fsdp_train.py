@@ -212,8 +212,7 @@ def main(argv=None):
 
         # The optimizer, made after fully_shard: it holds (and steps) the local shards only.
         lr = args.lr * global_batch / 256
-        groups = param_groups(model, args.weight_decay)  # GPT-2's: decay on the matrices
-        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas)
+        optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr, betas=args.betas)
 
         # Resume: rank 0 finds the checkpoint and checks its meta.pt; every rank reads the parts
         # of the saved shards that make up its own, whatever the number of processes that

@@ -358,8 +358,7 @@ def train(args, info):
 
     # The optimizer, made after the cuts: it holds (and steps) this process's pieces only.
     lr = args.lr * global_batch / 256
-    groups = param_groups(model, args.weight_decay)  # GPT-2's: decay on the matrices
-    optimizer = torch.optim.AdamW(groups, lr, betas=args.betas)
+    optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr, betas=args.betas)
 
     # Resume, as in fsdp_train.py: rank 0 finds and checks the checkpoint against the whole
     # model; every rank reads the parts of the saved pieces that make up its own, at any
