@@ -55,7 +55,7 @@ from common import cleanup, fail, init_distributed_mode, peer_failure, print0, r
 from data import load_datasets, pad_batches, shard_loaders
 from models import GPT, ViT, generate, param_groups
 from profiling import Profiler, flop_rates, step_flops
-from training import end_epoch, evaluate, log_loss, sharded_args, sharded_parser, warmup_cosine
+from training import end_epoch, evaluate, log_loss, sharded_args, sharded_parser, warmup_decay
 
 # The autograd all-gather (all_gather_tensor_autograd in PyTorch 2.9, deprecated later).
 all_gather = getattr(funcol, "all_gather_single_autograd", funcol.all_gather_tensor_autograd)
@@ -362,8 +362,8 @@ def main(argv=None):
         batches = (global_batch, steps_per_epoch)
         step = resume_step(args, optimizer, meta, resume, batches, device)
 
-        # Warm-up, then cosine decay; from the step resumed at (a function of the step alone).
-        scheduler = warmup_cosine(optimizer, args.warmup, total_steps, step)
+        # Warm-up, then --decay to zero; from the step resumed at (a function of the step alone).
+        scheduler = warmup_decay(optimizer, args.warmup, total_steps, step, args.decay)
 
         @torch.no_grad()
         def evaluate_all():

@@ -63,7 +63,7 @@ from common import (
 from data import DATASETS, collate, eval_shard, load_datasets
 from models import MODELS, build_model, seed_everything
 from profiling import Profiler, add_flags, flop_rates, step_flops
-from training import amp_note, evaluate, fast_forward, warmup_cosine
+from training import amp_note, evaluate, fast_forward, warmup_decay
 
 
 def get_args(argv=None):
@@ -143,7 +143,7 @@ class ResumableSampler(DistributedSampler):
 
 def make_scheduler(optimizer, args, total_steps):
     if args.schedule == "cosine":  # linear warm-up, then cosine decay to zero
-        return warmup_cosine(optimizer, args.warmup, total_steps)
+        return warmup_decay(optimizer, args.warmup, total_steps)
     # One-cycle: cosine warm-up from 1/25 of the peak, then cosine decay; cycle_momentum=False
     # keeps Nesterov's momentum fixed. A warm-up of a step or less is none, the first step at
     # the peak (OneCycleLR divides by zero at one step, and below it starts at 1/25 of it).

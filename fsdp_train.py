@@ -57,7 +57,7 @@ from common import cleanup, fail, init_distributed_mode, peer_failure, print0, r
 from data import load_datasets, pad_batches, shard_loaders
 from models import MODELS, build_model, generate, param_groups
 from profiling import Profiler, flop_rates, step_flops
-from training import end_epoch, evaluate, log_loss, sharded_args, sharded_parser, warmup_cosine
+from training import end_epoch, evaluate, log_loss, sharded_args, sharded_parser, warmup_decay
 
 
 def get_args(argv=None):
@@ -225,8 +225,8 @@ def main(argv=None):
         batches = (global_batch, steps_per_epoch)
         step = resume_step(args, optimizer, meta, resume, batches, device)
 
-        # Warm-up, then cosine decay; from the step resumed at (a function of the step alone).
-        scheduler = warmup_cosine(optimizer, args.warmup, total_steps, step)
+        # Warm-up, then --decay to zero; from the step resumed at (a function of the step alone).
+        scheduler = warmup_decay(optimizer, args.warmup, total_steps, step, args.decay)
 
         @torch.no_grad()
         def evaluate_all():

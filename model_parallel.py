@@ -68,7 +68,7 @@ from training import (
     fast_forward,
     pipeline_schedule,
     pipeline_stage_ids,
-    warmup_cosine,
+    warmup_decay,
 )
 
 
@@ -362,7 +362,7 @@ def train(args, info):
         print0(f"resumed from {path} at epoch {ckpt['epoch']} of {args.epochs}")
     step = ckpt["epoch"] * steps_per_epoch if ckpt else 0
     # Linear warm-up, then cosine decay to zero; a function of the step, so a resume moves it on.
-    scheduler = warmup_cosine(optimizer, args.warmup, total_steps)
+    scheduler = warmup_decay(optimizer, args.warmup, total_steps)
     fast_forward(scheduler, step)
     if out:
         trim_metrics(out / "metrics.jsonl", step // steps_per_epoch)  # each epoch appears once

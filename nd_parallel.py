@@ -85,7 +85,7 @@ from training import (
     pipeline_stage_ids,
     sharded_args,
     sharded_parser,
-    warmup_cosine,
+    warmup_decay,
 )
 
 # The autograd all-gather (all_gather_tensor_autograd in PyTorch 2.9, deprecated later): its
@@ -370,7 +370,7 @@ def train(args, info):
         with reading(resume):
             dcp.load(state, checkpoint_id=resume)
     step = resume_step(args, optimizer, meta, resume, (global_batch, steps_per_epoch), device)
-    scheduler = warmup_cosine(optimizer, args.warmup, total_steps, step)
+    scheduler = warmup_decay(optimizer, args.warmup, total_steps, step, args.decay)
 
     @torch.no_grad()
     def evaluate():

@@ -66,7 +66,7 @@ from training import (
     log_loss,
     sharded_args,
     sharded_parser,
-    warmup_cosine,
+    warmup_decay,
 )
 
 
@@ -199,8 +199,8 @@ def main(argv=None):
         batches = (global_batch, steps_per_epoch)
         step = resume_step(args, optimizer, meta, resume, batches, device)
 
-        # Warm-up, then cosine decay; from the step resumed at (a function of the step alone).
-        scheduler = warmup_cosine(optimizer, args.warmup, total_steps, step)
+        # Warm-up, then --decay to zero; from the step resumed at (a function of the step alone).
+        scheduler = warmup_decay(optimizer, args.warmup, total_steps, step, args.decay)
 
         @torch.no_grad()
         def evaluate_all():

@@ -36,6 +36,8 @@ def sharded_parser(doc):
     add("--depth", type=int, help="the transformer's blocks (default 4; text: 2)")
     add("--weight-decay", type=float, default=0.05, help="AdamW's decoupled weight decay")
     add("--warmup", type=float, default=0.1, help="fraction of all steps spent warming up")
+    decay = "the rate's decay to zero after warm-up (default cosine; text: linear)"
+    add("--decay", choices=["cosine", "linear"], help=decay)
     add("--seed", type=int, default=0, help="seed for the weights and the shuffling")
     add("--amp", default="none", choices=["none", "bf16"], help="bf16: compute in bf16")
     clip = "max gradient norm; 0: no clipping (default 0; text: 1, as GPT-2 and nanoGPT)"
@@ -55,15 +57,15 @@ def sharded_parser(doc):
 
 def sharded_args(args, at_least_1=(), not_negative=(), positive=(), batch=(128, 8)):
     """check_flags for a sharded script's flags, the shared ones' bounds added; the defaults
-    that depend on the data filled in, (images, text), for --epochs, --lr, --betas,
+    that depend on the data filled in, (images, text), for --epochs, --lr, --betas, --decay,
     --clip-grad, the shape and `batch`'s --batch-size. A text sample is a sequence of --seq-len
-    bytes, an image one of 16 patches; the text defaults (GPT-3's betas, GPT-2's clipping, 2
-    wide blocks, small steps: benchmarks/results.md) train the GPT to about 1.42 nats per byte
-    in a few minutes on 2 CPU cores (README, Results)."""
+    bytes, an image one of 16 patches; the text defaults (GPT-3's betas, GPT-2's clipping, a
+    linear decay, 2 wide blocks, small steps: benchmarks/results.md) train the GPT to about
+    1.40 nats per byte in a few minutes on 2 CPU cores (README, Results)."""
     text = args.data == TEXT
     defaults = dict(epochs=(5, 1), lr=(3e-3, 0.14), betas=((0.9, 0.999), (0.9, 0.95)))
-    defaults.update(clip_grad=(0.0, 1.0), dim=(96, 128), depth=(4, 2), heads=(4, 2))
-    defaults.update(batch_size=batch)
+    defaults.update(decay=("cosine", "linear"), clip_grad=(0.0, 1.0), batch_size=batch)
+    defaults.update(dim=(96, 128), depth=(4, 2), heads=(4, 2))
     for name, (image, sequence) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, sequence if text else image)
@@ -106,16 +108,19 @@ def evaluate(model, loader, device, autocast=None):
     return loss_sum / count, correct / count
 
 
-def warmup_cosine(optimizer, warmup_fraction, total_steps, start=0):
-    """A LambdaLR: linear warm-up to the peak over warmup_fraction of the steps, then cosine
-    decay to zero (ddp_train.py --schedule cosine, model_parallel.py, the sharded scripts),
-    moved on to step `start` (a resumed run's: the rate is a function of the step alone).
-    Warm-up 0: the first step at the peak."""
+def warmup_decay(optimizer, warmup_fraction, total_steps, start=0, decay="cosine"):
+    """A LambdaLR: linear warm-up to the peak over warmup_fraction of the steps, then decay to
+    zero by a cosine (ddp_train.py --schedule cosine, model_parallel.py, the sharded scripts'
+    images) or a straight line (decay "linear": the sharded scripts' text, as Bergsma et al.,
+    2025, find best for language models), moved on to step `start` (a resumed run's: the rate
+    is a function of the step alone). Warm-up 0: the first step at the peak."""
     warmup = max(1, int(warmup_fraction * total_steps))
 
     def factor(step):
+        if step < warmup:
+            return (step + 1) / warmup
         done = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * done))
+        return 1 - done if decay == "linear" else 0.5 * (1 + math.cos(math.pi * done))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     fast_forward(scheduler, start)

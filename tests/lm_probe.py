@@ -4,8 +4,8 @@ With TRAIN, the training set is cut to its first TRAIN windows, so that an epoch
 steps and a short run crosses an epoch boundary.
 
 Per training step: the logits and labels the loss was taken of (this rank's tokens, one row
-each), the loss, and every parameter's whole gradient as the optimizer is about to step, in
-the optimizer's order (a split or sharded one gathered from its pieces: all ranks
+each), the loss, the rate, and every parameter's whole gradient as the optimizer is about to
+step, in the optimizer's order (a split or sharded one gathered from its pieces: all ranks
 participate). The same instruments serve fsdp_train.py, tensor_parallel.py,
 context_parallel.py and expert_parallel.py.
 """
@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 script, reports, *train = sys.argv[1 : sys.argv.index("--")]
 argv = sys.argv[sys.argv.index("--") + 1 :]
 module = importlib.import_module(script.removesuffix(".py"))
-seen = dict(logits=[], labels=[], losses=[], grads=[])
+seen = dict(logits=[], labels=[], losses=[], grads=[], rates=[])
 
 
 def whole(t):
@@ -60,6 +60,7 @@ def adamw(params, *args, **kwargs):
 
     def before_step(optimizer, *_):
         seen["grads"].append([whole(p.grad).clone() for p in params])
+        seen["rates"].append(optimizer.param_groups[0]["lr"])
 
     optimizer.register_step_pre_hook(before_step)
     return optimizer

@@ -108,7 +108,7 @@ def test_sharded_training_equals_one_process(tmp_path, references, model, nproc)
     assert_same_training(out, references[model], model)
     # metrics.jsonl's lr: the rate the last step took, the 5th of a cosine over 5 x 166 steps
     sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], 0.05 * GLOBAL_BATCH / 256)
-    fifth = training.warmup_cosine(sgd, 0.0, 5 * (2000 // GLOBAL_BATCH), 4).get_last_lr()[0]
+    fifth = training.warmup_decay(sgd, 0.0, 5 * (2000 // GLOBAL_BATCH), 4).get_last_lr()[0]
     assert read_metrics(out)[-1]["lr"] == pytest.approx(fifth, rel=1e-9)
 
 

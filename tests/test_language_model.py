@@ -315,6 +315,15 @@ def test_text_runs_take_gpt3s_betas_by_default(dense, moe):
         assert report["betas"] == [(0.9, 0.95), (0.9, 0.95)]
 
 
+def test_text_runs_decay_the_rate_in_a_straight_line_by_default(dense, moe):
+    """No --decay on text: after the warm-up (none here) the rate falls by the same amount
+    each step to zero at the epoch's end, not by a cosine's slow start, in fsdp_train.py and
+    expert_parallel.py (tensor_parallel.py and context_parallel.py: their parity tests)."""
+    for report, *_ in (dense, moe):
+        falls = [a - b for a, b in zip(report["rates"][1:], report["rates"][2:])]
+        assert falls[0] > 0 and falls == pytest.approx([falls[0]] * len(falls), rel=1e-6)
+
+
 def test_a_resumed_optimizer_keeps_this_runs_settings_group_by_group():
     """checkpoint.TrainState: the saved moments load into this run's optimizer, whose groups
     keep their own settings (a new --lr and --weight-decay; the no-decay group at 0), not the

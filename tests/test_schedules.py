@@ -3,7 +3,7 @@
 --warmup 0 means no warm-up: the first step at the peak rate, in every copy of the loop
 (one-cycle used to turn 0 into 0.1% of the run, which started at 1/25 of the peak once the run
 had 1000 steps or more, and divided by zero at exactly 1000). model_parallel.py and
-ddp_train.py --schedule cosine take training.warmup_cosine's rates, step after step."""
+ddp_train.py --schedule cosine take training.warmup_decay's rates, step after step."""
 
 import math
 

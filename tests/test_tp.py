@@ -336,10 +336,10 @@ def test_an_fsdp_checkpoint_of_the_vit_evaluates_the_same_under_tensor_paralleli
     assert eval_only(2, out / "checkpoint") == expected
 
 
-def test_warmup_cosine_rises_to_the_peak_then_decays_to_zero():
+def test_warmup_decay_rises_to_the_peak_then_decays_to_zero():
     """The schedule fsdp_train.py and tensor_parallel.py share, at 10 steps, warm-up 0.2."""
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    scheduler = training.warmup_cosine(optimizer, 0.2, 10)
+    scheduler = training.warmup_decay(optimizer, 0.2, 10)
     rates = []
     for _ in range(10):
         rates.append(scheduler.get_last_lr()[0])
