@@ -140,9 +140,16 @@ class GPT(nn.Module):
         # Each block adds its attention's and its MLP's output to the residual stream: 2 x depth
         # sums whose variance grows with the depth unless the last layer of each (proj, fc2)
         # starts 1/sqrt(2 x depth) smaller (GPT-2, section 2.3).
+        # One change: q and k N(0, 1/sqrt(dim)), so that each score q.k / sqrt(head_dim) starts
+        # with variance 1, as attention's scaling assumes (Vaswani et al., 2017, 3.2.1). Under
+        # 0.02 at width 128 they start with variance 0.003 (each byte a plain mean of those
+        # before it) and q's and k's gradients, each scaled by the other, are as small:
+        # attention forms late (benchmarks/results.md).
         for block in self.blocks:
             for last in (block.attn.proj, block.mlp.fc2):
                 nn.init.normal_(last.weight, std=0.02 / math.sqrt(2 * depth))
+            for scorer in (block.attn.q, block.attn.k):
+                nn.init.normal_(scorer.weight, std=1 / math.sqrt(dim))
 
     def forward(self, x):  # (N, T) bytes -> (N, T, vocab); a pipeline stage: see keep_stage
         if self.embed is not None:  # the first stage (or the whole model)

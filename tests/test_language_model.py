@@ -262,13 +262,14 @@ def test_the_gpt_is_causal_and_samples_text():
 
 def test_the_gpt_starts_as_gpt_2_does_near_a_uniform_guess(small_text):
     """GPT-2's initialisation: weights N(0, 0.02), biases 0, each block's two residual
-    projections (attention's proj, the MLP's fc2) 1/sqrt(2 x depth) of that; so the first
-    loss on real text is within 0.1 of a uniform guess, ln 256 (PyTorch's default Linear
-    init started at 5.80)."""
+    projections (attention's proj, the MLP's fc2) 1/sqrt(2 x depth) of that, q and k
+    N(0, 1/sqrt(dim)) (scores of variance 1); so the first loss on real text is within 0.1
+    of a uniform guess, ln 256 (PyTorch's default Linear init started at 5.80)."""
     models.seed_everything(0)
     gpt = models.GPT(256, SEQ, 96, depth=8, heads=4)
     for name, p in gpt.named_parameters():
         std = 0.02 / 4 if name.endswith(("proj.weight", "fc2.weight")) else 0.02
+        std = 96**-0.5 if name.endswith(("q.weight", "k.weight")) else std
         if name.endswith("bias"):
             assert not p.any(), name
         elif "norm" not in name:
