@@ -61,7 +61,7 @@ def sharded_args(args, at_least_1=(), not_negative=(), positive=(), batch=(128, 
     --clip-grad, the shape and `batch`'s --batch-size. A text sample is a sequence of --seq-len
     bytes, an image one of 16 patches; the text defaults (GPT-3's betas, GPT-2's clipping, a
     linear decay, 2 wide blocks, small steps: benchmarks/results.md) train the GPT to about
-    1.40 nats per byte in a few minutes on 2 CPU cores (README, Results)."""
+    1.38 nats per byte in a few minutes on 2 CPU cores (README, Results)."""
     text = args.data == TEXT
     defaults = dict(epochs=(5, 1), lr=(3e-3, 0.14), betas=((0.9, 0.999), (0.9, 0.95)))
     defaults.update(decay=("cosine", "linear"), clip_grad=(0.0, 1.0), batch_size=batch)
