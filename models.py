@@ -142,8 +142,8 @@ class GPT(nn.Module):
         # starts 1/sqrt(2 x depth) smaller (GPT-2, section 2.3).
         # One change: q and k N(0, 1/sqrt(dim)), so that each score q.k / sqrt(head_dim) starts
         # with variance 1, as attention's scaling assumes (Vaswani et al., 2017, 3.2.1). Under
-        # 0.02 at width 128 they start with variance 0.003 (each byte a plain mean of those
-        # before it) and q's and k's gradients, each scaled by the other, are as small:
+        # 0.02 at width 128 they start with variance 0.003 (each byte attends almost evenly to
+        # those before it) and q's and k's gradients, each scaled by the other, are as small:
         # attention forms late (benchmarks/results.md).
         for block in self.blocks:
             for last in (block.attn.proj, block.mlp.fc2):

@@ -336,15 +336,18 @@ def test_an_fsdp_checkpoint_of_the_vit_evaluates_the_same_under_tensor_paralleli
     assert eval_only(2, out / "checkpoint") == expected
 
 
-def test_warmup_decay_rises_to_the_peak_then_decays_to_zero():
-    """The schedule fsdp_train.py and tensor_parallel.py share, at 10 steps, warm-up 0.2."""
+@pytest.mark.parametrize("decay", ["cosine", "linear"])
+def test_warmup_decay_rises_to_the_peak_then_decays_to_zero(decay):
+    """The schedule the sharded scripts share (--decay), at 10 steps, warm-up 0.2: after the
+    peak, a cosine or a straight line to zero (a step after the last)."""
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    scheduler = training.warmup_decay(optimizer, 0.2, 10)
+    scheduler = training.warmup_decay(optimizer, 0.2, 10, decay=decay)
     rates = []
-    for _ in range(10):
+    for _ in range(11):
         rates.append(scheduler.get_last_lr()[0])
         optimizer.step()
         scheduler.step()
     assert rates[:3] == pytest.approx([0.5, 1.0, 1.0])  # 2 warm-up steps, then the peak
-    assert rates[2:] == sorted(rates[2:], reverse=True) and rates[-1] < 0.05
-    assert rates[6] == pytest.approx(0.5 * (1 + math.cos(math.pi * 4 / 8)))
+    done = [k / 8 for k in range(9)]  # steps 2..10: the fraction of the decay done
+    shape = [1 - d if decay == "linear" else 0.5 * (1 + math.cos(math.pi * d)) for d in done]
+    assert rates[2:] == pytest.approx(shape, abs=1e-12) and rates[-1] == 0
