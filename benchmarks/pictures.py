@@ -1,6 +1,7 @@
-"""The pictures of benchmarks/README.md, each drawn from real runs on this machine.
+"""The pictures of docs/pictures.md, each drawn from real runs on this machine.
 
     python benchmarks/pictures.py                           # all three (about 10 minutes here)
+    python benchmarks/pictures.py --only accuracy           # from benchmarks/results.json
     python benchmarks/pictures.py --only timelines --strategies ddp fsdp
     python benchmarks/pictures.py --only pipeline
     python benchmarks/pictures.py --only timelines --traces "DDP, 8 GPUs=runs/prof"   # yours
@@ -15,7 +16,10 @@ holds under each strategy, counted from its tensors, and its measured peak
 (benchmarks/sharding.py --json). Runs write to benchmarks/runs/pictures/ (git-ignored);
 --traces LABEL=DIR draws traces made elsewhere (on GPUs, say) instead. Needs matplotlib
 (requirements-dev.txt). A trace without what a picture draws (no collectives, no pipeline
-stages) is refused in one line, not drawn empty.
+stages) is refused in one line, not drawn empty. accuracy_vs_time.png: run_all.py's
+time-to-accuracy curves, redrawn from the results.json it wrote. Each picture's title says the
+machine, the date and the load average when its runs started (--where: the machine of --traces
+made elsewhere).
 """
 
 import argparse
@@ -23,9 +27,11 @@ import bisect
 import itertools
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,15 +44,20 @@ QUICK = ["--data", "synthetic", "--device", "cpu", "--max-steps", "6", "--dist-t
 TEXT = ["--data", "text", "--model", "gpt"]
 # One step of each strategy, 2 processes each (nd_parallel.py's 8): what their collectives overlap.
 STRATEGIES = {
-    "ddp": ("DDP", "ddp_train.py", ["--model", "resnet18", "--batch-size", "8"]),
+    # DDP on an image model (its script's job), so its step is not comparable with the others'.
+    "ddp": (
+        "DDP, ResNet-18 on images, 8 a process",
+        "ddp_train.py",
+        ["--model", "resnet18", "--batch-size", "8"],
+    ),
     # The sharded ones on their language-model job: the GPT on text (a window of 256 bytes).
-    "fsdp": ("FSDP", "fsdp_train.py", TEXT),
-    "tp": ("tensor parallel", "tensor_parallel.py", TEXT),
-    "cp": ("context parallel (ring, zigzag)", "context_parallel.py", TEXT),
-    "ep": ("expert parallel", "expert_parallel.py", TEXT),
+    "fsdp": ("FSDP, the GPT on text", "fsdp_train.py", TEXT),
+    "tp": ("tensor parallel, the GPT on text", "tensor_parallel.py", TEXT),
+    "cp": ("context parallel (ring, zigzag), the GPT on text", "context_parallel.py", TEXT),
+    "ep": ("expert parallel, the GPT with 8 experts a block", "expert_parallel.py", TEXT),
     # The strategies composed, 8 processes, on a short text (argparse.py: a quick evaluation).
     "nd": (
-        "pp 2 x dp 2 x tp 2",
+        "pp 2 x dp 2 x tp 2, the GPT on text",
         "nd_parallel.py",
         [*TEXT, "--data-dir", argparse.__file__, "--pp", "2", "--dp", "2", "--tp", "2"],
     ),
@@ -76,6 +87,25 @@ KINDS = [
     ("broadcast", ("broadcast",)),
 ]
 CHUNK = re.compile(r"stage(\d+) (forward|backward|weight) mb(\d+)")
+
+
+def this_machine():
+    """'AMD EPYC 7B13, 2 cores': what a reader needs to weigh a time measured here."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        names = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in ln]
+        cpu = names[0].split(":", 1)[1].strip() if names else cpu
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def stamp(where=None):
+    """Machine, date and load average now (before a picture's runs start): said in its title,
+    since times drift with the machine and its load."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    day = time.strftime("%Y-%m-%d", time.gmtime())
+    return f"{where or this_machine()}, {day}, load {load:.1f}"
 
 
 def collective_kind(name):
@@ -131,8 +161,8 @@ def phases(trace, window):
     return {k: union(v) for k, v in out.items()}
 
 
-def draw_timelines(runs, path):
-    """runs: [(label, trace_dir)]; one panel per run, two lanes per rank."""
+def draw_timelines(runs, path, where=""):
+    """runs: [(label, trace_dir)]; one panel per run, two lanes per rank; where: the stamp."""
     import matplotlib.pyplot as plt
 
     steps = [(label, one_step(d)) for label, d in runs]
@@ -180,6 +210,8 @@ def draw_timelines(runs, path):
     ]
     names = [name for _, name in sorted(used)]
     fig.legend(handles, names, loc="lower center", bbox_to_anchor=(0.5, 0.99), ncol=6)
+    fig.suptitle(f"One training step per rank; each panel its own model and batch: {where}",
+                 y=1.0 + 0.9 / fig.get_figheight(), fontsize=10)  # fmt: skip
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
@@ -227,7 +259,7 @@ def stage_activations(trace_dir):
     return held
 
 
-def draw_pipelines(runs, path):
+def draw_pipelines(runs, path, where=""):
     """runs: [(label, trace_dir)] of model_parallel.py under torchrun, one panel each: a row
     per process, its measured idle share beside the formula's, the micro-batches each stage
     held at once."""
@@ -285,6 +317,7 @@ def draw_pipelines(runs, path):
     handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="none", edgecolor="0.6", hatch="///"))
     top = axes[0, 0].get_position().y1 + 0.45 / fig.get_figheight()  # above the first title
     fig.legend(handles, names, loc="lower center", bbox_to_anchor=(0.5, top), ncol=4)
+    fig.suptitle(where, y=top + 0.5 / fig.get_figheight(), fontsize=10)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
@@ -320,7 +353,7 @@ def memory_runs():
     return paths
 
 
-def draw_memory(sources, path):
+def draw_memory(sources, path, where=""):
     """Stacked bars of what rank 0 holds per strategy (counted), its measured peak beside them;
     sources: sharding.py --json files (a path or a list of them)."""
     import matplotlib.pyplot as plt
@@ -354,15 +387,51 @@ def draw_memory(sources, path):
         if any(r["wrapper"] == "ep" for r in rows)
         else ""
     )
+    whole = next((r["params"] for r in rows if r["wrapper"] == "ddp"), None)
+    size = f" of {whole / 4e6:.1f} M parameters" if whole else ""  # DDP's: every fp32 weight
     ax.set_title(
-        f"What rank 0 holds, {world} processes, AdamW, {model}{moe}; the peak includes the"
-        " library's one-time buffers",
+        f"What rank 0 holds, {world} processes, AdamW, {model}{size}{moe}; the peak includes"
+        f" the library's one-time buffers\n{where}",
         fontsize=10,
         loc="left",
     )
     ax.set_ylim(0, 1.15 * max(max(peaks), max(bottom)))
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=5)
     fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def draw_accuracy(source, path):
+    """Test accuracy against training seconds, per configuration of run_all.py's section a,
+    from the results.json it wrote: the machine, date and load of those runs in the title."""
+    import matplotlib.pyplot as plt
+
+    results = json.loads(Path(source).read_text())
+    try:
+        configs = results["sections"]["a_time_to_accuracy"]["configurations"]
+        machine, day = results["machine"], results["date"][:10]
+    except KeyError as e:
+        fail(f"{source}: no {e} (run_all.py --sections a writes it)")
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for label, config in configs.items():
+        epochs = config["per_epoch"]
+        seconds = list(itertools.accumulate(e["epoch_seconds"] for e in epochs))
+        ax.plot(seconds, [100 * e["test_acc"] for e in epochs], marker="o", label=label)
+    for level in (90, 91):
+        ax.axhline(level, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xlabel("training seconds (sum of epoch_seconds)")
+    ax.set_ylabel("test accuracy (%)")
+    load = machine.get("load_average_at_start", float("nan"))
+    ax.set_title(
+        "Fashion-MNIST: test accuracy against training time\n"
+        f"{machine['cpu']}, {machine['cores']} cores, no GPU, torch {machine['torch']}, {day},"
+        f" load {load:.1f}: {results['command']}",
+        fontsize=9,
+    )
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
@@ -418,11 +487,17 @@ def pipeline_runs():
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    what = ("timelines", "pipeline", "memory")
-    p.add_argument("--only", choices=what, help="one picture (default: all three)")
+    what = ("timelines", "pipeline", "memory", "accuracy")
+    p.add_argument("--only", choices=what, help="one picture (default: all four)")
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     p.add_argument("--traces", nargs="+", metavar="LABEL=DIR", help="draw these traces instead")
     p.add_argument("--memory-json", help="draw memory.png from this sharding.py --json file")
+    p.add_argument(
+        "--results-json",
+        default=str(ROOT / "benchmarks" / "results.json"),
+        help="accuracy_vs_time.png's source: run_all.py's results.json",
+    )
+    p.add_argument("--where", help="the machine named in the titles (default: this one's CPU)")
     p.add_argument("--out", default=str(ROOT / "benchmarks"), help="where the PNGs go")
     args = p.parse_args(argv)
     if args.traces and args.only not in ("timelines", "pipeline"):
@@ -433,17 +508,23 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.only in (None, "timelines"):
+        where = stamp(args.where)  # the load before the runs, not after them
         runs = given or timeline_runs(args.strategies)
         if runs:
-            draw_timelines(runs, out / "timelines.png")
+            draw_timelines(runs, out / "timelines.png", where)
             print(f"wrote {out / 'timelines.png'}")
     if args.only in (None, "pipeline"):
-        draw_pipelines(given or pipeline_runs(), out / "pipeline.png")
+        where = stamp(args.where)
+        draw_pipelines(given or pipeline_runs(), out / "pipeline.png", where)
         print(f"wrote {out / 'pipeline.png'}")
     if args.only in (None, "memory"):
+        where = stamp(args.where)
         source = args.memory_json or memory_runs()
-        draw_memory(source, out / "memory.png")
+        draw_memory(source, out / "memory.png", where)
         print(f"wrote {out / 'memory.png'}")
+    if args.only in (None, "accuracy"):
+        draw_accuracy(args.results_json, out / "accuracy_vs_time.png")
+        print(f"wrote {out / 'accuracy_vs_time.png'}")
 
 
 if __name__ == "__main__":
