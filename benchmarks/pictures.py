@@ -342,6 +342,7 @@ MEMORY_ARGS = ["--worlds", "4", "--models", "vit", "--vit-dim", "768", "--steps"
 def memory_runs():
     """benchmarks/sharding.py at 4 processes, one launch per strategy: its JSON files."""
     paths = []
+    RUNS.mkdir(parents=True, exist_ok=True)
     for wrapper in MEMORY:
         path = RUNS / f"memory-{wrapper}.json"
         cmd = [sys.executable, "benchmarks/sharding.py", *MEMORY_ARGS, "--wrappers", wrapper]
