@@ -122,6 +122,18 @@ def test_byte_formulas_are_nd_costs_formulas():
             assert keep == (n - 1) / n * 2 * whole, layout
 
 
+def test_nd_costs_counts_against_plans_formulas():
+    """The byte-for-byte check against the counted 8-process runs is nd_costs.py's own (its
+    slow test in test_benchmarks.py compares each counted dimension with the formula it
+    reports): it checks plan.py once nd_costs.py takes plan.py's formulas."""
+    pytest.importorskip("torch")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import nd_costs
+
+    if nd_costs.formulas is not plan.formulas:
+        pytest.skip("nd_costs.py does not import plan.py's formulas yet")
+
+
 @pytest.mark.parametrize(
     "argv, line",
     [
@@ -130,6 +142,8 @@ def test_byte_formulas_are_nd_costs_formulas():
          "--tp 2 must divide the 25 heads"),
         (["--global-batch", "12", "--microbatch", "4", "--tp", "1", "--pp", "1", "--cp", "1",
           "--dp", "8"], "--microbatch 4 must divide a data-parallel rank's batch"),
+        (["--model", "llama3-8b", "--gpus", "16", "--tp", "16", "--pp", "1", "--cp", "1",
+          "--dp", "1"], "--tp 16 must divide the 8 KV heads"),
         (["--model", "gpt5"], "--model gpt5 is no preset"),
         (["--gpu", "v100"], "--gpu v100 is unknown"),
         (["--model", "llama3-405b", "--gpus", "8", "--global-batch", "8"],
@@ -159,3 +173,18 @@ def test_memory_per_rank_near_the_measured_cpu_runs(r):
     assert row["memory_gib"] * 1024 == pytest.approx(r["peak"], rel=0.10)
     for k in ("weights", "gradients", "optimizer"):
         assert 0.86 * r[k] <= mib[k] <= r[k], k
+
+
+def test_fsdp_under_a_pipeline_gathers_once_or_per_micro_batch():
+    """torchtitan's policy ("keep") gathers each 16-bit weight once a step; resharding after
+    forward, in each of the M micro-batches' forwards and once more: with the fp32 gradients'
+    reduce-scatter, 2 + 4 bytes a parameter against 2 (M + 1) + 4."""
+    argv = ["--model", "llama3-405b", "--gpus", "512", "--global-batch", "256", "--tp", "8"]
+    argv += ["--pp", "8", "--cp", "1", "--dp", "8", "--shard", "3", "--recompute", "full"]
+    argv += ["--pipeline-schedule", "1f1b"]
+    latency = 126 * plan.GPUS["h100"]["latency"]  # a call a block
+    keep, reshard = (
+        plan.run([*argv, "--fsdp-policy", policy])[3][0]["time"]["dp_total"] - latency
+        for policy in ("keep", "reshard")
+    )
+    assert keep / reshard == pytest.approx((2 + 4) / (2 * (32 + 1) + 4))
