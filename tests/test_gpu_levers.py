@@ -19,8 +19,9 @@ spec.loader.exec_module(mfu)
 @pytest.mark.parametrize("shape", [mfu.TINY, mfu.GPT2_SMALL], ids=["tiny", "gpt2-small"])
 def test_the_counted_flops_per_token_are_nanogpts(shape):
     """profiling.step_flops, which every script's MFU divides, counts 6 N + 12 L H Q T per
-    token (N: the weights of the matrix products), and within 0.5% at GPT-2-small size of nanoGPT's 6 N with N all
-    weights but the embedding and positions (it adds the biases and norms)."""
+    token (N: the weights of the matrix products), and at GPT-2-small size within 0.5% of
+    nanoGPT's 6 N with N all weights but the embedding and positions (it adds the biases and
+    norms)."""
     depth, dim, heads, seq_len = (shape[k] for k in ("depth", "dim", "heads", "seq_len"))
     with torch.device("meta"):
         gpt = models.GPT(256, seq_len, dim, depth, heads)
@@ -103,3 +104,43 @@ def test_sdpa_backend_is_a_flag_of_every_sharded_script_and_refuses_a_bad_name()
     proc = run_python(["fsdp_train.py", "--sdpa-backend", "fastest"], check=False)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1 and "--sdpa-backend" in lines[0], proc.stderr
+
+
+def test_mirror_averaged_is_the_mean_over_each_image_and_its_mirror():
+    torch.manual_seed(0)
+    model = models.build_model("cnn", 1, 10).eval()
+    x = torch.randn(3, 1, 28, 28)
+    with torch.no_grad():
+        both = models.MirrorAveraged(model)(x)
+        assert torch.allclose(both, (model(x) + model(x.flip(-1))) / 2)
+        symmetric = x + x.flip(-1)  # its own mirror: the same answer as the model's alone
+        assert torch.allclose(models.MirrorAveraged(model)(symmetric), model(symmetric), atol=1e-6)
+
+
+@pytest.mark.slow
+def test_tta_is_what_ddp_train_evaluates(tmp_path):
+    """ddp_train.py --augment --tta: the test accuracy it records and the one --eval-only --tta
+    prints are those of the mirror-averaged model; without --tta, the model's own (the default,
+    unchanged)."""
+    import data
+
+    flags = ["ddp_train.py", "--data", "synthetic", "--device", "cpu", "--model", "cnn"]
+    flags += ["--batch-size", "32", "--epochs", "1", "--max-steps", "12"]
+    run_python([*flags, "--augment", "--tta", "--output-dir", tmp_path], timeout=300)
+    recorded = json.loads((tmp_path / "metrics.jsonl").read_text())["test_acc"]
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    model = models.build_model("cnn", 1, 10)
+    model.load_state_dict(ckpt["model"])
+    _, test_set, _, _ = data.load_datasets("synthetic", "data")
+    accuracy = {}
+    for name, judged in (("plain", model), ("tta", models.MirrorAveraged(model))):
+        with torch.no_grad():
+            judged.eval()
+            right = judged(test_set.images).argmax(1) == test_set.labels
+            accuracy[name] = right.double().mean().item()
+    assert accuracy["plain"] != accuracy["tta"]  # else the test could not tell them apart
+    assert recorded == pytest.approx(accuracy["tta"], abs=1e-9)
+    resume = [*flags, "--eval-only", "--resume", tmp_path / "checkpoint.pt"]
+    for extra, name in (([], "plain"), (["--tta"], "tta")):
+        printed = run_python([*resume, *extra]).stdout
+        assert f"test_acc {accuracy[name]:.4f}" in printed, (name, printed)
