@@ -21,7 +21,7 @@ L blocks, H heads of Q dimensions, T tokens of context), MFU against the device'
 (profiling.PEAK_TFLOPS: 989 on an H100 SXM or H200) and the peak memory allocated. A row that
 runs out of memory, or whose kernel the device lacks, says so and the next one runs. On the
 CPU (--cpu) wall-clock time stands in for the events, and there is no peak to divide by.
-Prints a table and, with --json FILE, writes every row.
+Prints each row as it is measured, then the table; --json FILE holds the rows so far.
 """
 
 import contextlib
@@ -245,30 +245,29 @@ def main(argv=None):
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"GPT {shape} on {name}, torch {torch.__version__}", flush=True)
     rows = []
+
+    def add(row):  # each row printed, and the file rewritten, as soon as it is measured
+        rows.append(row)
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+        if args.json:
+            result = dict(device=name, torch=torch.__version__, shape=shape, rows=rows)
+            result["table"] = table(rows).splitlines()
+            Path(args.json).write_text(json.dumps(result, indent=1))
+
     for row_name in [n for n in CHANGES if n in args.only]:
         config = configure(row_name, args.batch_size)
         if config["compile"] != "none" and args.cpu:  # minutes of compilation on a CPU
-            rows.append(dict(config, status="skipped: no compile in the dry run"))
+            add(dict(config, status="skipped: no compile in the dry run"))
         else:
-            rows.append(run_row(config, shape, device, args.steps, args.warmup, peak))
-        print(table(rows[-1:]).splitlines()[-1], flush=True)
+            add(run_row(config, shape, device, args.steps, args.warmup, peak))
     if "best" in args.only:
         config = best_config(rows, args.batch_size)
         if config:
-            rows.append(run_row(config, shape, device, args.steps, args.warmup, peak))
+            add(run_row(config, shape, device, args.steps, args.warmup, peak))
         else:
-            rows.append(
-                dict(
-                    BASELINE,
-                    name="best",
-                    batch=args.batch_size,
-                    status="none: no change beat the baseline",
-                )
-            )
+            why = "none: no change beat the baseline"
+            add(dict(BASELINE, name="best", batch=args.batch_size, status=why))
     print("\n" + table(rows), flush=True)
-    if args.json:
-        result = dict(device=name, torch=torch.__version__, shape=shape, rows=rows)
-        Path(args.json).write_text(json.dumps(result, indent=1))
     return rows
 
 
