@@ -177,6 +177,8 @@ def test_the_dry_mode_runs_every_phase_on_the_cpu(tmp_path):
     gzipped, the probes' relative errors at CPU rounding, summary.json's headline, every run's
     metrics.jsonl in one archive, and files that come back."""
     flags = ["--cpu", "--out", tmp_path, "--modes", "off,repeat,det", "--phases", "ambcdef"]
+    # the GPU's bounds, with room for a loaded 2-core machine (load 22: phase d took 167 s)
+    flags += ["--deadline", "560", "--phase-timeout", "d=240"]
     flags += ["--tests", "test_dataparallel_replicas_compute_in_the_asked_dtype"]
     proc = run_check(flags, timeout=600)
     rows = summary_rows(proc.stdout)

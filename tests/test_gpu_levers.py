@@ -48,6 +48,11 @@ def test_the_dry_run_measures_each_change_and_says_what_did_not_run(tmp_path):
     per_token = mfu.flops_per_token(**mfu.TINY)
     assert rows["baseline"]["flops_per_token"] == per_token
     assert rows["best"]["status"] in ("ok", "none: no change beat the baseline")
+    # the same weights and tokens in every row of a batch: the same first loss, near ln 256
+    same_batch = [r for r in rows.values() if r["status"] == "ok" and r["batch"] == 2]
+    assert len(same_batch) >= 4 and rows["baseline"]["first_loss"] == pytest.approx(5.545, abs=0.05)
+    for row in same_batch:
+        assert row["first_loss"] == pytest.approx(rows["baseline"]["first_loss"], abs=1e-3), row
 
 
 def test_an_out_of_memory_row_is_a_row_and_the_best_takes_each_winner(monkeypatch):

@@ -19,7 +19,9 @@ between two CUDA events; tokens/s, TFLOP/s (profiling.step_flops's count, which 
 6 N + 12 L H Q T per token, nanoGPT's and torchtitan's: N the weights of the matrix products,
 L blocks, H heads of Q dimensions, T tokens of context), MFU against the device's bf16 peak
 (profiling.PEAK_TFLOPS: 989 on an H100 SXM or H200) and the peak memory allocated. A row that
-runs out of memory, or whose kernel the device lacks, says so and the next one runs. On the
+runs out of memory, or whose kernel the device lacks, says so and the next one runs. The
+loss of the first step (before any update) and of the last: every row of a batch size starts
+from the same weights and tokens, so a kernel that computes wrongly stands out there. On the
 CPU (--cpu) wall-clock time stands in for the events, and there is no peak to divide by.
 Prints each row as it is measured, then the table; --json FILE holds the rows so far.
 """
@@ -135,7 +137,10 @@ def measure(config, shape, device, steps, warmup, peak):
         return loss
 
     cuda = device.type == "cuda"
-    for _ in range(warmup):
+    # The first step's loss, before any update: the same model and tokens in every row of a
+    # batch size, so a kernel that computes wrongly shows here (and in the last loss).
+    first_loss = step().item()
+    for _ in range(warmup - 1):
         step()
     if cuda:
         torch.cuda.synchronize()
@@ -154,6 +159,7 @@ def measure(config, shape, device, steps, warmup, peak):
     if not torch.isfinite(loss):
         raise RuntimeError(f"non-finite loss {loss.item()}")
     row = dict(ms_per_step=1000 * seconds, tokens_per_second=batch * seq_len / seconds)
+    row.update(first_loss=first_loss, last_loss=loss.item())
     row.update(tflops=flops / seconds / 1e12, flops_per_token=flops / (batch * seq_len))
     row["mfu"] = flops / seconds / peak if peak else None
     row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
@@ -202,12 +208,14 @@ def table(rows):
     def cell(value, spec):
         return "" if value is None else format(value, spec)
 
-    lines = ["| configuration | batch | tokens/s | TFLOP/s | MFU | peak GiB | status |"]
-    lines.append("|---|---|---|---|---|---|---|")
+    lines = ["| configuration | batch | tokens/s | TFLOP/s | MFU | peak GiB | loss | status |"]
+    lines.append("|---|---|---|---|---|---|---|---|")
     for r in rows:
         mfu = cell(r.get("mfu") and 100 * r["mfu"], ".1f") + "%" * bool(r.get("mfu"))
         cells = [cell(r.get("tokens_per_second"), ",.0f"), cell(r.get("tflops"), ".3g"), mfu]
         cells += [cell(r.get("peak_memory_gib"), ".1f")]
+        loss = r.get("first_loss") is not None and f"{r['first_loss']:.3f} to {r['last_loss']:.3f}"
+        cells.append(loss or "")
         lines.append(f"| {r['name']} | {r['batch']} | " + " | ".join(cells) + f" | {r['status']} |")
     return "\n".join(lines)
 
@@ -218,7 +226,7 @@ def get_args(argv=None):
     add("--cpu", action="store_true", help="the dry run: a tiny GPT on the CPU, 2 timed steps")
     add("--only", help=f"comma-separated rows, of {','.join(CHANGES)},best (default: all)")
     add("--steps", type=int, help="timed steps per row (default 20; --cpu: 2)")
-    add("--warmup", type=int, help="untimed steps first (default 5; --cpu: 1)")
+    add("--warmup", type=int, help="untimed steps first, at least 1 (default 5; --cpu: 1)")
     add("--batch-size", type=int, help="the baseline's sequences (default 16; --cpu: 2)")
     add("--peak-tflops", type=float, help="the device's peak TFLOP/s (default: a table)")
     add("--json", help="also write every row to this file")
@@ -230,8 +238,8 @@ def get_args(argv=None):
     for name, default in (("steps", (20, 2)), ("warmup", (5, 1)), ("batch_size", (16, 2))):
         if getattr(args, name) is None:
             setattr(args, name, default[args.cpu])
-        if getattr(args, name) < (name != "warmup"):
-            p.error(f"--{name.replace('_', '-')} must be at least {int(name != 'warmup')}")
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
 
 
