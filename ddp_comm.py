@@ -14,7 +14,7 @@ momentum only (ZeRO-1, Rajbhandari et al., 2020). Rank 0 prints what each rank s
 
 A copy of ddp_train.py whose added lines end in "# comm" or sit in a block opened by a
 "# comm:" comment, so `diff ddp_train.py ddp_comm.py` shows the strategy. ddp_train.py has
-what the copy leaves out: --augment, --sync-bn, --image-size, --eval-only and --compile.
+what the copy leaves out: --augment, --tta, --sync-bn, --image-size, --eval-only, --compile.
 """
 
 import argparse

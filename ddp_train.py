@@ -62,7 +62,7 @@ from common import (
     together,
 )
 from data import DATASETS, collate, eval_shard, load_datasets
-from models import MODELS, build_model, seed_everything
+from models import MODELS, MirrorAveraged, build_model, seed_everything
 from profiling import Profiler, add_flags, flop_rates, step_flops
 from training import amp_note, evaluate, fast_forward, warmup_decay
 
@@ -85,6 +85,7 @@ def get_args(argv=None):
     add("--schedule", default="onecycle", choices=["onecycle", "cosine"], help="lr schedule")
     add("--warmup", type=float, default=0.2, help="fraction of the steps warming up; 0: none")
     add("--augment", action="store_true", help="random crop and flip (use it for CIFAR-10)")
+    add("--tta", action="store_true", help="evaluate on each image and its mirror (with --augment)")
     add("--workers", type=int, default=0, help="DataLoader worker processes per rank")
     add("--seed", type=int, default=0, help="seed for the weights and the shuffling")
     add("--amp", default="none", choices=["none", "bf16", "fp16"], help="mixed precision")
@@ -214,6 +215,7 @@ def main(argv=None):
         # vary between runs, and the rounding with it, unless deterministic algorithms are on.
         torch.backends.cudnn.benchmark = device.type == "cuda"
         raw_model = model  # the bare module: saved, loaded and evaluated without wrappers
+        tta_model = MirrorAveraged(raw_model) if args.tta else raw_model  # what is evaluated
 
         # Only now, with data and flags found good, is anything written (all ranks participate):
         # --profile's directory, and the output directory, which rank 0 checks for all.
@@ -273,7 +275,7 @@ def main(argv=None):
         fast_forward(scheduler, step)
 
         if args.eval_only:
-            loss, acc = evaluate(raw_model, test_loader, device, autocast())
+            loss, acc = evaluate(tta_model, test_loader, device, autocast())
             print0(
                 f"eval {resume}: test_loss {loss:.4f} test_acc {acc:.4f} ({len(test_set)} samples)"
             )
@@ -388,7 +390,7 @@ def main(argv=None):
             # next forward: copy them now, so every rank evaluates (and saves) one model.
             for buffer in raw_model.buffers() if info.distributed else ():
                 dist.broadcast(buffer, src=0)  # all ranks participate
-            test_loss, test_acc = evaluate(raw_model, test_loader, device, autocast())
+            test_loss, test_acc = evaluate(tta_model, test_loader, device, autocast())
             speed, lr_now = done * global_batch / seconds, scheduler.get_last_lr()[0]
             record = dict(epoch=epoch, step=step, train_loss=train_loss, test_loss=test_loss)
             record.update(test_acc=test_acc, epoch_seconds=seconds, samples_per_second=speed)

@@ -2,6 +2,7 @@
 the script in build_model's place). Nothing in it is distributed: each strategy's script
 cuts, shards or wraps these plain modules itself."""
 
+import contextlib
 import math
 import random
 from collections import OrderedDict
@@ -40,6 +41,39 @@ def resnet18_small(in_channels, num_classes):
     return model
 
 
+class AirbenchNet(nn.Sequential):
+    """airbench94's network (Jordan, 2024, KellerJordan/cifar10-airbench: 94% on CIFAR-10 in
+    3.83 s on an A100), without its data-dependent whitening init: a 2x2 convolution, then
+    three groups that pool early (conv, max-pool, BatchNorm, GELU, conv, BatchNorm, GELU;
+    widths 64, 256, 256), so most convolutions run on 13x13 maps or smaller; a max-pool over
+    the last 3x3 and a linear head whose logits are scaled by 1/9, as airbench's."""
+
+    def __init__(self, in_channels=1, num_classes=10, widths=(64, 256, 256), first=24):
+        layers = [nn.Conv2d(in_channels, first, 2), nn.GELU()]
+        for c, w in zip((first, *widths), widths, strict=False):
+            layers += [nn.Conv2d(c, w, 3, padding=1, bias=False), nn.MaxPool2d(2)]
+            layers += [nn.BatchNorm2d(w), nn.GELU(), nn.Conv2d(w, w, 3, padding=1, bias=False)]
+            layers += [nn.BatchNorm2d(w), nn.GELU()]
+        head = nn.Linear(widths[-1], num_classes, bias=False)
+        super().__init__(*layers, nn.AdaptiveMaxPool2d(1), nn.Flatten(), head)
+
+    def forward(self, x):
+        return super().forward(x) / 9
+
+
+class MirrorAveraged(nn.Module):
+    """A classifier evaluated on each image and its mirror, the mean of the two logits
+    (test-time flips, as airbench evaluates): for a model trained with flips (--augment); to
+    one trained without them a mirror is an image it never saw, and the mean is worse."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return (self.model(x) + self.model(x.flip(-1))) / 2
+
+
 class MLP(nn.Sequential):
     """Two linear layers, no BatchNorm or dropout: with it, DDP's result equals one process on
     the whole batch up to float rounding (BatchNorm normalises over each rank's batch)."""
@@ -49,9 +83,43 @@ class MLP(nn.Sequential):
         super().__init__(nn.Flatten(), first, nn.ReLU(inplace=True), nn.Linear(hidden, num_classes))
 
 
+# --sdpa-backend: the kernels F.scaled_dot_product_attention may pick on a GPU, in this order.
+# auto: cuDNN's first on Hopper (compute capability 9), where it trains fastest
+# (pytorch/pytorch#142132; benchmarks/gpu/mfu.py measures it), PyTorch's own order elsewhere.
+SDPA_BACKENDS = dict(flash="FLASH_ATTENTION", efficient="EFFICIENT_ATTENTION")
+SDPA_BACKENDS.update(cudnn="CUDNN_ATTENTION", math="MATH")
+
+
+def sdpa_order(name, capability, cudnn):
+    """The SDPBackend names --sdpa-backend `name` allows on a GPU of `capability` (with cuDNN
+    or not), in priority order; None: PyTorch's choice. A named kernel alone: no fallback."""
+    if name == "auto":
+        hopper = capability[0] == 9 and cudnn
+        return (
+            [SDPA_BACKENDS[k] for k in ("cudnn", "flash", "efficient", "math")] if hopper else None
+        )
+    return None if name == "default" else [SDPA_BACKENDS[name]]
+
+
+def attention_kernels(name, q):
+    """A context that lets F.scaled_dot_product_attention on q use sdpa_order's kernels; on
+    the CPU (its own kernels, every CPU figure as it was) and for "default", no change."""
+    if not q.is_cuda or name == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cudnn = torch.backends.cudnn.is_available()
+    order = sdpa_order(name, torch.cuda.get_device_capability(q.device), cudnn)
+    if order is None:
+        return contextlib.nullcontext()
+    return sdpa_kernel([getattr(SDPBackend, k) for k in order], set_priority=True)
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with q, k, v and the output projection as four Linears
     (tensor parallelism splits each of them, and with them the heads)."""
+
+    kernels = "default"  # --sdpa-backend (training.sharded_args sets it): see SDPA_BACKENDS
 
     def __init__(self, dim, heads, causal=False):
         super().__init__()
@@ -73,7 +141,8 @@ class Attention(nn.Module):
         if self.attend:
             out = self.attend(q, k, v)
         else:  # causal: each token attends to itself and the tokens before it, not after
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+            with attention_kernels(self.kernels, q):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.proj(out.transpose(1, 2).flatten(2))
 
 
@@ -213,6 +282,7 @@ def param_groups(model, weight_decay):
 
 
 MODELS = {"cnn": SmallCNN, "resnet18": resnet18_small, "mlp": MLP, "vit": ViT}
+MODELS["airbench"] = AirbenchNet
 
 
 def build_model(

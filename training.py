@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from checkpoint import append_metrics
 from common import ArgumentParser, check_flags, fail, print0, reduce_value
 from data import DATASETS, IGNORED, TEXT
+from models import SDPA_BACKENDS, Attention
 from profiling import add_flags
 
 
@@ -51,6 +52,8 @@ def sharded_parser(doc):
     add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if any")
     add("--backend", choices=["gloo", "nccl"], help="default: nccl on CUDA, else gloo")
     add("--dist-timeout", type=float, default=300, help="seconds before a lost peer ends the job")
+    kernels = "attention kernel on a GPU: auto (cuDNN's on Hopper, else PyTorch's), or only one"
+    add("--sdpa-backend", default="auto", choices=["auto", "default", *SDPA_BACKENDS], help=kernels)
     add_flags(p)  # --profile DIR, --peak-tflops (profiling.py)
     return p
 
@@ -84,6 +87,7 @@ def sharded_args(args, at_least_1=(), not_negative=(), positive=(), batch=(128, 
         fail(f"--model {args.model} does not train on --data {args.data}: gpt reads text only")
     if hasattr(args, "heads") and args.dim % args.heads:
         fail(f"--dim {args.dim} is not a whole number of --heads {args.heads}")
+    Attention.kernels = args.sdpa_backend  # every models.Attention of this process
     return args
 
 

@@ -15,11 +15,11 @@ the default suite does not do that (the other test files cover the CPU paths).
 Tests marked "2 GPUs" skip on a one-GPU machine: NCCL refuses two ranks on one device. With
 GPU_TESTS_ON_CPU=1 they run as 2 CPU processes (gloo).
 
-A GPU session's time is short: every run the tests start is bounded (BOUND), and one that
-outlives its bound is stopped with everything it started, after its Python stacks (and native
-ones, where py-spy or gdb is installed) are taken; the test fails with them. Every run has TF32
-off (ENV). benchmarks/gpu/check.py, run first in a session lent a GPU, measures what these
-tests compare; its README says what to do with it.
+Every run the tests start is bounded (BOUND): one that outlives its bound is stopped with
+everything it started, after its Python stacks (and native ones, where py-spy or gdb is
+installed) are taken, and the test fails with them, instead of hanging the suite. Every run has
+TF32 off (ENV). benchmarks/gpu/check.py runs these tests among its phases, after measuring what
+they compare; its README says what to do with the figures.
 """
 
 import atexit
@@ -70,8 +70,8 @@ cuda_only = pytest.mark.skipif(not CUDA, reason="needs CUDA (GPU_TESTS_ON_CPU=1 
 two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs: NCCL refuses two ranks on one GPU")
 
 # Seconds a run may take before it is stopped: a few steps with CUDA's start-up, and with
-# torch.compile's. Without a bound one stalled run ate a GPU session's time (2026-11-26:
-# test_fsdp_bf16_and_cpu_offload, over 330 s).
+# torch.compile's. Without a bound one stalled run hung for over 330 s on an H200 (2026-11-26:
+# test_fsdp_bf16_and_cpu_offload).
 BOUND, COMPILE_BOUND = 120, 240
 DATA = ["--data", "synthetic", "--device", DEVICE]
 BASE = [*DATA, *DIST_TIMEOUT]
@@ -129,11 +129,11 @@ ENV = {"NVIDIA_TF32_OVERRIDE": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_
 _spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks/gpu/check.py")
 check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(check)
-_server = None  # a fork server of ENV's own (conftest's has the session's environment)
+_server = None  # a fork server of ENV's own (conftest's has pytest's environment)
 
 
 def start(cmd, cwd, env):
-    """Start CMD in a session of its own (check.stop_tree ends its process group and tree):
+    """Start CMD in a process group of its own (check.stop_tree ends its group and tree):
     forked from a server that imported torch with ENV where the command allows (forkserver.py),
     else a fresh interpreter."""
     global _server
@@ -205,8 +205,8 @@ stalled_on_purpose()
 
 @pytest.mark.skipif(CUDA, reason="the harness's own test: GPU_TESTS_ON_CPU=1 runs it")
 def test_a_stalled_launch_is_stopped_within_its_bound_with_its_stacks(tmp_path):
-    """A run that never ends, here a worker under torchrun (which starts it in a session of its
-    own) that sleeps forever, is stopped at its bound with the worker, and the failure holds
+    """A run that never ends, here a worker under torchrun (which starts it in a process group of
+    its own) that sleeps forever, is stopped at its bound with the worker, and the failure holds
     the Python stacks of both torchrun and the worker."""
     script = tmp_path / "stall.py"
     script.write_text(STALL)

@@ -1,7 +1,7 @@
-"""benchmarks/gpu/check.py, the first thing a session lent a GPU runs, here on the CPU: a stalled
-command is stopped at its bound with everything it started, its Python stacks kept; a stalled
-phase is reported and the next one runs; the dry mode runs every phase and writes what the
-device tool brings back (at most 8 files, 16 MiB each, no deeper than 2 folders)."""
+"""benchmarks/gpu/check.py, here on the CPU: a stalled command is stopped at its bound with
+everything it started, its Python stacks kept; a stalled phase is reported and the next one
+runs; the dry mode runs every phase and writes its files (at most 8, 16 MiB each, no folders),
+summary.json's headline figures first."""
 
 import functools
 import gzip
@@ -21,7 +21,7 @@ spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks/gp
 check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(check)
 
-# A parent that ignores SIGTERM (only SIGKILL ends it) and a child in a session of its own,
+# A parent that ignores SIGTERM (only SIGKILL ends it) and a child in a process group of its own,
 # as torchrun starts its workers: stopping the parent's group alone would leave the child.
 PARENT = """
 import signal, subprocess, sys, time
@@ -56,7 +56,7 @@ def test_a_stalled_command_is_stopped_with_its_tree_and_its_stacks():
         if not check.alive(child):
             break
         time.sleep(0.1)
-    assert not check.alive(child), "the child, in a session of its own, outlived the stop"
+    assert not check.alive(child), "the child, in a process group of its own, outlived the stop"
 
 
 @pytest.mark.slow
@@ -133,13 +133,13 @@ def run_check(flags, timeout):
 
 def summary_rows(stdout):
     """{phase letter: (status, key figures)} from the table the check prints last."""
-    rows = re.findall(r"^\| ([a-f]) [^|]+\| ([^|]+) \| (\d+) \| ([^|]*) \|$", stdout, re.M)
+    rows = re.findall(r"^\| ([a-fm]) [^|]+\| ([^|]+) \| (\d+) \| ([^|]*) \|$", stdout, re.M)
     return {phase: (status, key) for phase, status, _, key in rows}
 
 
 def assert_files_come_back(out):
-    """What the device tool brings back from $OUT: at most 8 files, 16 MiB each, none
-    deeper than 2 folders, named in letters, digits, '.', '_' and '-'."""
+    """The check's files: at most 8, 16 MiB each, none deeper than 2 folders, named in letters,
+    digits, '.', '_' and '-' (easy to copy off a machine)."""
     files = [p for p in out.rglob("*") if p.is_file()]
     assert 0 < len(files) <= 8, files
     for f in files:
@@ -164,7 +164,7 @@ def test_a_stalled_phase_is_stopped_reported_and_the_check_goes_on(tmp_path):
     for name in ("a/on", "a/off", "e/vit-bf16-clip", "e/cnn-none"):
         [block] = [b for b in blocks if b.removeprefix("== ").startswith(f"{name}: timed out")]
         assert "in stalled_on_purpose" in block, block
-    phases = json.loads((tmp_path / "check.json").read_text())["phases"]
+    phases = json.loads((tmp_path / "summary.json").read_text())["phases"]
     assert phases["e"]["status"] == "timed out" and phases["e"]["bound"] == 3
     assert_files_come_back(tmp_path)
 
@@ -172,23 +172,35 @@ def test_a_stalled_phase_is_stopped_reported_and_the_check_goes_on(tmp_path):
 @pytest.mark.slow
 def test_the_dry_mode_runs_every_phase_on_the_cpu(tmp_path):
     """check.py --cpu: every phase, small, on the CPU (what needs CUDA skipped and said so): the
-    fork server probed, ddp_train.py against the bare loop with time to 94%, the GPT's run read
-    from its metrics.jsonl with its trace gzipped, the probes' relative errors at CPU rounding,
-    the summary, every run's metrics.jsonl in one archive, and files that come back."""
-    flags = ["--cpu", "--out", tmp_path, "--modes", "off,repeat,det"]
+    fork server probed, mfu.py's rows (the levers), ddp_train.py against the bare loop with
+    time to 94% and its warm-up apart, the GPT's run read from its metrics.jsonl with its trace
+    gzipped, the probes' relative errors at CPU rounding, summary.json's headline, every run's
+    metrics.jsonl in one archive, and files that come back."""
+    flags = ["--cpu", "--out", tmp_path, "--modes", "off,repeat,det", "--phases", "ambcdef"]
+    # the GPU's bounds, with room for a loaded 2-core machine (load 22: phase d took 167 s)
+    flags += ["--deadline", "560", "--phase-timeout", "d=240"]
     flags += ["--tests", "test_dataparallel_replicas_compute_in_the_asked_dtype"]
     proc = run_check(flags, timeout=600)
     rows = summary_rows(proc.stdout)
-    assert rows.keys() == set("abcdef") and all(s == "ok" for s, _ in rows.values()), rows
+    assert rows.keys() == set("ambcdef") and all(s == "ok" for s, _ in rows.values()), rows
     assert "dry mode: on the CPU" in rows["a"][1] and "fork server: works (cpu)" in rows["a"][1]
-    assert re.search(r"94% (in [\d.]+ s \(epoch \d+\)|not reached), final", rows["b"][1])
+    assert re.search(r"^\d+/11 rows measured; best: \S+, no peak known", rows["m"][1]), rows["m"]
+    assert re.search(r"seed 0: 94% (in [\d.]+ s \(epoch \d+\)|not reached), final", rows["b"][1])
     assert re.search(r"ddp_train.py [\d.]+ ms, bare loop [\d.]+ ms: [\d.]+x", rows["b"][1])
     assert re.search(r"fsdp_train.py: [\d.e+]+ tok/s", rows["c"][1]), rows["c"][1]
     assert "profile: trace.json.gz" in rows["c"][1]
     assert "2/2 finished" in rows["e"][1] and "targeted: 1 passed" in rows["f"][1]
-    results = json.loads((tmp_path / "check.json").read_text())["phases"]
-    resnet = results["b"]["figures"]
-    assert resnet["flops_per_second"] > 0 and resnet["bare_cudnn_benchmark"] is False, resnet
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert list(summary)[: len(check.HEADLINE)] == list(check.HEADLINE)
+    assert summary["device"] == "CPU (dry run)" and summary["torch"].startswith("2.")
+    assert summary["gpt2_small_best_mfu"] is None  # no peak to divide by on a CPU
+    results = summary["phases"]
+    levers = {r["name"]: r for r in results["m"]["figures"]["rows"]}
+    assert summary["gpt2_small_best_config"]["name"] in levers
+    assert levers["baseline"]["status"] == "ok" and levers["baseline"]["tokens_per_second"] > 0
+    fashion = results["b"]["figures"]
+    assert fashion["flops_per_second"] > 0 and fashion["bare_cudnn_benchmark"] is False, fashion
+    assert fashion["warmup_seconds"] >= 0 and fashion["seeds"]["0"]["epochs"] == 2, fashion
     gpt = results["c"]["figures"]["fsdp_train.py"]
     assert gpt["epochs"] == 2 and gpt["steps"] == 6, gpt  # 3 steps an epoch, as the file made
     assert gpt["tokens_per_second"] == pytest.approx(32 * gpt["samples_per_second"])
@@ -197,9 +209,10 @@ def test_the_dry_mode_runs_every_phase_on_the_cpu(tmp_path):
     for quantity in probes.values():  # the CPU: fp32 rounding only, and no noise
         assert all(quantity[m] < 1e-4 for m in ("off", "repeat", "det")), quantity
         assert quantity["noise"] == 0, quantity
-    summary = (tmp_path / "summary.md").read_text()
-    assert "| GPU vs CPU (MLP) | test_gpu_equals_cpu | skipped: needs CUDA |" in summary
-    assert "| compiled CNN vs eager | test_compile | skipped: needs CUDA |" in summary
+    text = (tmp_path / "summary.md").read_text()
+    assert "| GPU vs CPU (MLP) | test_gpu_equals_cpu | skipped: needs CUDA |" in text
+    assert "| compiled CNN vs eager | test_compile | skipped: needs CUDA |" in text
+    assert "| baseline | 2 |" in text  # phase m's table
     assert "1 passed" in (tmp_path / "pytest.log").read_text()
     assert (tmp_path / "stacks.txt").read_text() == ""  # nothing was stopped
     with gzip.open(tmp_path / "trace.json.gz") as f:
@@ -207,15 +220,20 @@ def test_the_dry_mode_runs_every_phase_on_the_cpu(tmp_path):
     with tarfile.open(tmp_path / "metrics.tar.gz") as tar:
         names = tar.getnames()
         record = json.loads(tar.extractfile("gpt-fsdp_train/metrics.jsonl").readline())
-    assert {"resnet-ddp/metrics.jsonl", "gpt-fsdp_train/metrics.jsonl"} <= set(names), names
+    wanted = {"fashion-seed0-2ep/metrics.jsonl", "gpt-fsdp_train/metrics.jsonl"}
+    assert wanted <= set(names), names
     assert record["step"] == 3 and "flops_per_second" in record
     assert_files_come_back(tmp_path)
+    assert (
+        not (ROOT / "benchmarks/gpu/summary.json").exists()
+        or "CPU" not in (ROOT / "benchmarks/gpu/summary.json").read_text()
+    )  # the dry run leaves the GPU's figures alone
 
 
 @pytest.mark.slow
 def test_a_check_stopped_from_outside_stops_what_it_runs(tmp_path):
-    """SIGTERM to the check (the device tool's own timeout, say) stops the commands it runs,
-    which are in sessions of their own, out of the tool's reach; their stacks are kept."""
+    """SIGTERM to the check (a caller's own timeout, say) stops the commands it runs, which are
+    in process groups of their own, out of the caller's reach; their stacks are kept."""
     flags = ["--cpu", "--no-fork-server", "--out", tmp_path, "--phases", "e", "--stall", "e"]
     proc = check.start_fresh([sys.executable, "benchmarks/gpu/check.py", *flags], ROOT, clean_env())
     try:
@@ -281,7 +299,7 @@ def test_the_text_file_makes_the_asked_steps_per_epoch(tmp_path):
 
 
 def test_a_memory_snapshot_too_large_is_cut_to_come_back(tmp_path, monkeypatch):
-    """A CUDA memory snapshot over the size the device tool brings back keeps 8 frames per
+    """A CUDA memory snapshot over the check's file limit (16 MiB) keeps 8 frames per
     stack, then its later events, until it fits; one that fits comes back whole."""
     frames = [dict(filename=f"file{i}.py", line=i, name=f"f{i}") for i in range(30)]
     events = [dict(action="alloc", addr=i, size=512, frames=frames) for i in range(4000)]
@@ -336,3 +354,32 @@ def test_the_probes_deterministic_mode_runs_the_script_as_itself(tmp_path):
     (folder / "script.py").write_text(script)
     proc = run_python([tmp_path / "deterministic.py", folder / "script.py"])
     assert proc.stdout.split() == ["__main__", "7", "True"]
+
+
+def test_the_headline_is_merged_into_the_kept_summary_on_a_gpu(tmp_path, monkeypatch):
+    """On a GPU, summary.json's headline also goes into benchmarks/gpu/summary.json, merged: a
+    later check (--phases cf) adds each script's MFU and keeps the first check's figures; the
+    dry mode writes nothing there."""
+    monkeypatch.setattr(check, "ROOT", tmp_path)
+    (tmp_path / "benchmarks/gpu").mkdir(parents=True)
+    kept = tmp_path / "benchmarks/gpu/summary.json"
+    c = fake_check(tmp_path)
+    c.args.cpu, c.started, c.elapsed = False, time.time(), lambda: 1.0
+    c.device_name = lambda: "NVIDIA H200"  # nvidia-smi's, where phase a did not run
+    best = dict(name="best", batch=64, fused=True, sdpa="cudnn", mfu=0.4567, compile="model")
+    first = dict(a=dict(figures=dict(gpu="NVIDIA H200", torch="2.11.0")))
+    first["m"] = dict(figures=dict(best=best))
+    first["b"] = dict(figures=dict(data="fashion-mnist", time_to_target=12.5, warmup_seconds=2))
+    check.write_files(c, [], dict(phases=first), [])
+    scripts = {"fsdp_train.py": dict(mfu=0.3), "model_parallel.py": dict(status="skipped")}
+    check.write_files(c, [], dict(phases=dict(c=dict(figures=scripts))), [])
+    merged = json.loads(kept.read_text())
+    assert merged["device"] == "NVIDIA H200" and merged["gpt2_small_best_mfu"] == 45.7
+    assert merged["gpt2_small_best_config"]["sdpa"] == "cudnn"
+    assert merged["fashion_mnist_94_seconds"] == 12.5
+    assert merged["script_mfu"] == {"fsdp_train.py": 30.0}
+    assert json.loads((tmp_path / "summary.json").read_text())["fashion_mnist_94_seconds"] is None
+    kept.unlink()
+    c.args.cpu = True
+    check.write_files(c, [], dict(phases=first), [])
+    assert not kept.exists()
