@@ -1,4 +1,4 @@
-"""Faults and bad input (issue 3). A worker killed under torchrun --max-restarts, an
+"""Faults and bad input. A worker killed under torchrun --max-restarts, an
 mp.spawn child killed, a process killed while it saves, a peer that never joins or stops
 answering, a non-finite loss, unsafe or mismatched checkpoints, and bad flags or data: each
 ends in a resumed run, or in a one-line error and a non-zero exit, never in a hang; bad
