@@ -11,9 +11,9 @@ through /proc/self/clear_refs) just before the model is built, and reports the p
 that level twice: once the model is built and sharded ("build"), and after --steps AdamW steps
 on random images of Fashion-MNIST's shape ("peak"). The layouts: "ddp" (ddp_train.py: the
 whole model, DDP), "fsdp" (fsdp_train.py: built on the meta device, each rank's pieces filled
-one whole tensor at a time, each drawn from its name), "fsdp built whole" (the model built on every rank, then sharded) and
-"hsdp" (fsdp_train.py --replicate 2: two replicas, each sharded over half the processes; at
-4 processes and more).
+one whole tensor at a time, each drawn from its name), "fsdp built whole" (the model built on
+every rank, then sharded) and "hsdp" (fsdp_train.py --replicate 2: two replicas, each sharded
+over half the processes; at 4 processes and more).
 On a CPU the device's memory and the host's are one: the whole tensor a rank draws before it
 keeps its piece counts in its "build" figure (on a GPU it is host memory). Blocks of
 1 MB and more are returned to the system when freed (MALLOC_MMAP_THRESHOLD_), so the peaks
