@@ -99,10 +99,9 @@ class MoE(nn.Module):
         self.router = nn.Linear(dim, experts, bias=False)
 
         shapes = dict(w1=(dim, hidden), b1=(hidden,), w2=(hidden, dim), b2=(dim,))
-        for name, shape in shapes.items():  # drawn by with_experts (models.init_weights)
+        for name, shape in shapes.items():  # drawn in with_experts: nn.Linear's U(+-1/sqrt(fan_in))
             setattr(self, name, nn.Parameter(torch.empty(experts, *shape)))
-        fan_in = dict(w1=dim, b1=dim, w2=hidden, b2=hidden)  # nn.Linear's init, expert by expert
-        self.init_draws = {n: ("uniform", 1 / math.sqrt(f)) for n, f in fan_in.items()}
+        self.init_draws = {n: ("uniform", shapes["w" + n[1]][0] ** -0.5) for n in shapes}
         self.experts, self.top_k, self.capacity_factor = experts, top_k, capacity_factor
         self.decayed = ("w1", "w2")  # the experts' matrices take weight decay (param_groups)
         self.group, self.ep = None, 1  # the EP group, and its size
@@ -314,8 +313,10 @@ def main(argv=None):
 
         # The optimizer, made after the cut: it holds (and steps) this process's experts.
         lr = args.lr * global_batch / 256
-        groups = param_groups(model, args.weight_decay)  # fused, as in fsdp_train.py
-        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas, fused=True)
+        groups = param_groups(model, args.weight_decay)  # fused takes plain or DTensors, apart
+        kinds = lambda ps: [[p for p in ps if isinstance(p, DTensor) == d] for d in (0, 1)]  # noqa: E731
+        groups = [dict(g, params=ps) for g in groups for ps in kinds(g["params"]) if ps]
+        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas, fused=True)  # fsdp_train's
 
         # Resume: rank 0 finds and checks the checkpoint; every rank reads its pieces (any degree).
         state = dict(train=TrainState(model, optimizer))  # what DCP saves and loads

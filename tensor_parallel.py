@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -186,8 +186,11 @@ def main(argv=None):
         # The optimizer, made after the split: it holds (and steps) this process's pieces.
         lr = args.lr * global_batch / 256
         # Fused: one kernel steps every parameter, on CUDA and on the CPU (where it took 1/20
-        # of foreach's time and of the per-tensor loop's: benchmarks/results.md).
+        # of foreach's time and of the per-tensor loop's: benchmarks/results.md). A group holds
+        # plain tensors or DTensors, not both (TP alone keeps the embedding and head plain).
         groups = param_groups(model, args.weight_decay)
+        kinds = lambda ps: [[p for p in ps if isinstance(p, DTensor) == d] for d in (0, 1)]  # noqa: E731
+        groups = [dict(g, params=ps) for g in groups for ps in kinds(g["params"]) if ps]
         optimizer = torch.optim.AdamW(groups, lr, betas=args.betas, fused=True)
 
         # Resume, as in fsdp_train.py: rank 0 finds and checks the checkpoint; every rank reads

@@ -102,6 +102,7 @@ def main():
     for i, layout in enumerate(args.layouts):
         report, out = tmp / f"peak{i}", tmp / f"out{i}"  # a layout resumes from no other
         flags = ["--data", "text", "--data-dir", str(text), "--model", "gpt", "--max-steps", "1"]
+        flags += ["--dist-timeout", "3600"]  # a loaded machine: no collective given up on
         flags += [f"--{k.replace('_', '-')}={v}" for k, v in shape.items()]
         flags += ["--seq-len", str(args.seq_len), "--output-dir", str(out), *layout.split()]
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
