@@ -348,10 +348,9 @@ def main(argv=None):
             flops = step_flops(unsplit(), sample.expand(global_batch, *sample.shape))
 
         lr = args.lr * global_batch / 256
-        # Fused: one kernel steps every parameter, on CUDA and on the CPU (where it took 1/20
-        # of foreach's time and of the per-tensor loop's: benchmarks/results.md).
+        fused = device.type == "cuda" or None  # as in fsdp_train.py: fused on CUDA only
         groups = param_groups(model, args.weight_decay)
-        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas, fused=True)
+        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas, fused=fused)
 
         # Resume, as in fsdp_train.py: rank 0 finds and checks the checkpoint; every rank reads
         # the parts of the saved pieces that make up its own, on any mesh (all participate).

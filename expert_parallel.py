@@ -290,9 +290,8 @@ def main(argv=None):
         steps_per_epoch, global_batch = len(train_loader), args.batch_size * world
         total_steps = args.epochs * steps_per_epoch
 
-        # Built on no device whole, as in fsdp_train.py: the shapes on the meta device, the
-        # experts cut, then memory for this process's experts and the whole rest only, filled
-        # one whole tensor at a time (fill_initial; all ranks participate).
+        # Built on no device whole, as in fsdp_train.py: meta, the experts cut, then memory for
+        # this process's experts and the rest only, filled a whole tensor at a time (all ranks).
         text, sample = args.model == "gpt", train_set[0][0]  # an image, or a sequence
         shape = (sample.shape[-1], args.dim, args.heads, args.seq_len, args.depth)
         dense = partial(build_model, args.model, in_channels, num_classes, *shape)
@@ -311,12 +310,13 @@ def main(argv=None):
         with torch.device("meta"):  # a step's FLOPs: the dense model of the same compute
             flops = step_flops(dense(), sample.expand(global_batch, *sample.shape))
 
-        # The optimizer, made after the cut: it holds (and steps) this process's experts.
+        # After the cut: this process's experts. Fused on CUDA, plain tensors and DTensors apart.
         lr = args.lr * global_batch / 256
-        groups = param_groups(model, args.weight_decay)  # fused takes plain or DTensors, apart
         kinds = lambda ps: [[p for p in ps if isinstance(p, DTensor) == d] for d in (0, 1)]  # noqa: E731
+        groups = param_groups(model, args.weight_decay)
         groups = [dict(g, params=ps) for g in groups for ps in kinds(g["params"]) if ps]
-        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas, fused=True)  # fsdp_train's
+        fused = dict(fused=device.type == "cuda" or None)
+        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas, **fused)
 
         # Resume: rank 0 finds and checks the checkpoint; every rank reads its pieces (any degree).
         state = dict(train=TrainState(model, optimizer))  # what DCP saves and loads

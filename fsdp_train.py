@@ -211,10 +211,12 @@ def main(argv=None):
 
         # The optimizer, made after fully_shard: it holds (and steps) the local shards only.
         lr = args.lr * global_batch / 256
-        # Fused: one kernel steps every parameter, on CUDA and on the CPU (where it took 1/20
-        # of foreach's time and of the per-tensor loop's: benchmarks/results.md).
+        # Fused on CUDA: one kernel steps every parameter. On the CPU PyTorch's default loop: the
+        # fused kernel is faster there, but its steps at TP 2 drifted 1.5e-5 from one process's
+        # in 4 steps (test_tp.py), and every layout takes one process's (benchmarks/results.md).
+        fused = device.type == "cuda" or None  # None: the default
         groups = param_groups(model, args.weight_decay)
-        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas, fused=True)
+        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas, fused=fused)
 
         # Resume: rank 0 finds the checkpoint and checks its meta.pt; every rank reads the parts
         # of the saved shards that make up its own, whatever the number of processes that
