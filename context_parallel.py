@@ -348,9 +348,8 @@ def main(argv=None):
             flops = step_flops(unsplit(), sample.expand(global_batch, *sample.shape))
 
         lr = args.lr * global_batch / 256
-        fused = device.type == "cuda" or None  # as in fsdp_train.py: fused on CUDA only
-        groups = param_groups(model, args.weight_decay)
-        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas, fused=fused)
+        groups = param_groups(model, args.weight_decay)  # fused, as in fsdp_train.py
+        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas, fused=True)
 
         # Resume, as in fsdp_train.py: rank 0 finds and checks the checkpoint; every rank reads
         # the parts of the saved pieces that make up its own, on any mesh (all participate).

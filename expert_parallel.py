@@ -310,13 +310,12 @@ def main(argv=None):
         with torch.device("meta"):  # a step's FLOPs: the dense model of the same compute
             flops = step_flops(dense(), sample.expand(global_batch, *sample.shape))
 
-        # After the cut: this process's experts. Fused on CUDA, plain tensors and DTensors apart.
+        # After the cut: this process's experts. Fused (fsdp_train.py): plain and DTensors apart.
         lr = args.lr * global_batch / 256
         kinds = lambda ps: [[p for p in ps if isinstance(p, DTensor) == d] for d in (0, 1)]  # noqa: E731
         groups = param_groups(model, args.weight_decay)
         groups = [dict(g, params=ps) for g in groups for ps in kinds(g["params"]) if ps]
-        fused = dict(fused=device.type == "cuda" or None)
-        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas, **fused)
+        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas, fused=True)
 
         # Resume: rank 0 finds and checks the checkpoint; every rank reads its pieces (any degree).
         state = dict(train=TrainState(model, optimizer))  # what DCP saves and loads

@@ -185,13 +185,12 @@ def main(argv=None):
 
         # The optimizer, made after the split: it holds (and steps) this process's pieces.
         lr = args.lr * global_batch / 256
-        # Fused on CUDA, as in fsdp_train.py (on the CPU the default loop). A fused call takes
-        # plain tensors or DTensors, not both (TP alone keeps the embedding and head plain).
-        fused = device.type == "cuda" or None
+        # Fused, as in fsdp_train.py. A fused call takes plain tensors or DTensors, not both
+        # (TP alone keeps the embedding and head plain): a group of each.
         groups = param_groups(model, args.weight_decay)
         kinds = lambda ps: [[p for p in ps if isinstance(p, DTensor) == d] for d in (0, 1)]  # noqa: E731
         groups = [dict(g, params=ps) for g in groups for ps in kinds(g["params"]) if ps]
-        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas, fused=fused)
+        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas, fused=True)
 
         # Resume, as in fsdp_train.py: rank 0 finds and checks the checkpoint; every rank reads
         # the parts of the saved pieces that make up its own, at any degree (all participate).
