@@ -212,7 +212,7 @@ def main(argv=None):
         # The optimizer, made after fully_shard: it holds (and steps) the local shards only.
         lr = args.lr * global_batch / 256
         # Fused: one kernel steps every parameter, on CUDA and on the CPU too, where its step
-        # was 2.6 times as fast as foreach's and the default loop's (benchmarks/results.md).
+        # took 0.43-0.47 of foreach's time and of the default loop's (benchmarks/results.md).
         groups = param_groups(model, args.weight_decay)
         optimizer = torch.optim.AdamW(groups, lr, betas=args.betas, fused=True)
 
