@@ -168,6 +168,8 @@ def test_each_tensor_is_drawn_alone_from_its_name_and_the_seed(build):
         shapes = build()
     for name in reversed(list(built)):  # any order: each from its own generator
         assert torch.equal(models.initial_tensor(shapes, name, 5), built[name]), name
+    twins = [built[f"blocks.{i}.attn.v.weight"] for i in (0, 1)]  # one shape and spread
+    assert not torch.equal(*twins)  # each from its own name's generator
     drawn = models.initial_weights(build, 5)
     assert torch.equal(drawn("blocks.1.attn.q.weight"), built["blocks.1.attn.q.weight"])
     other = models.initial_tensor(shapes, "blocks.1.attn.q.weight", 6)
