@@ -140,16 +140,12 @@ def fill_initial(model, draw, init_from=None):
     """Fill this rank's pieces of `model` (sharded, allocated) one whole tensor at a time (all
     ranks participate): draw(name), the tensor one process starts from, or --init-from's,
     read from the file as it is needed (mmap; checked first: a bad file stops every rank).
-    No rank holds more than its pieces and one whole tensor; nothing is sent."""
+    No rank holds more than its pieces and one whole tensor (distribute_tensor cuts it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    def read():
-        state, _ = read_weights(init_from, "--init-from", mmap=True)
-        check_weights(state, model, init_from)
-        return state
-
-    if init_from:
-        state = together(read)  # every rank reads the file's index, not its tensors
+    if init_from:  # every rank reads the file's index, not its tensors
+        state, _ = together(lambda: read_weights(init_from, "--init-from", mmap=True))
+        together(lambda: check_weights(state, model, init_from))
         draw = state.__getitem__
     # Not strict: one tensor at a time (and a pipeline stage holds only its own names).
     each = StateDictOptions(full_state_dict=True, strict=False)
