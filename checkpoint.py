@@ -11,10 +11,12 @@ import random
 import shutil
 import uuid
 import warnings
+import zipfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -72,13 +74,14 @@ def save_checkpoint(state, path):  # on global rank 0 only
     atomic_write(path, lambda tmp: torch.save(state, tmp))
 
 
-def read_torch_file(path, what="checkpoint"):
+def read_torch_file(path, what="checkpoint", mmap=False):
     """torch.load onto the CPU (tensors saved on GPUs do not all land on GPU 0), weights only
-    (a file from elsewhere cannot run code), or a one-line error naming the file."""
+    (a file from elsewhere cannot run code), or a one-line error naming the file. mmap: each
+    tensor read from the file when it is used, not all of them now."""
     if not Path(path).is_file():
         fail(f"{what} {path} does not exist")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # noqa: BLE001 - any failure to read is reported the same way
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
         if any("Unsupported global" in ln for ln in lines):  # it would have to call a class
@@ -103,11 +106,11 @@ def load_model_state(model, state_dict, path):
         fail(f"checkpoint {path} does not fit this model (another --model?): {detail[0]}")
 
 
-def read_weights(path, what="weights file"):
+def read_weights(path, what="weights file", mmap=False):
     """A whole model's weights, read on this rank: a plain state_dict (model.pt of the sharded
     scripts, a pretrained network's) or the 'model' of a checkpoint of these scripts; and the
     flags that checkpoint recorded ({} for a plain state_dict)."""
-    state, flags = read_torch_file(path, what), {}
+    state, flags = read_torch_file(path, what, mmap), {}
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state, flags = state["model"], state.get("args", {})
     if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
@@ -133,22 +136,21 @@ def check_weights(state, model, path):
             fail(f"{path} does not fit this model: {key!r} is {got}")
 
 
-def initial_state(build, seed, init_from=None, model=None):
-    """Rank 0's whole model, in its CPU memory, to fill every rank's pieces of a sharded build
-    (all ranks participate; a bad file stops every rank): built and seeded as one process
-    builds it, so every layout starts from the same weights, or read from init_from (checked
-    against `model`, which may be on the meta device). None on the other ranks."""
+def fill_initial(model, draw, init_from=None):
+    """Fill this rank's pieces of `model` (sharded, allocated) one whole tensor at a time (all
+    ranks participate): draw(name), the tensor one process starts from, or --init-from's,
+    read from the file as it is needed (mmap; checked first: a bad file stops every rank).
+    No rank holds more than its pieces and one whole tensor (distribute_tensor cuts it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    def whole():
-        if init_from:
-            state, _ = read_weights(init_from, "--init-from")
-            check_weights(state, model, init_from)
-            return state
-        random.seed(seed)  # as models.seed_everything: a copy may bring its own models.py
-        torch.manual_seed(seed)
-        return build().state_dict()
-
-    return together(whole, run=is_main_process())
+    if init_from:  # every rank reads the file's index, not its tensors
+        state, _ = together(lambda: read_weights(init_from, "--init-from", mmap=True))
+        together(lambda: check_weights(state, model, init_from))
+        draw = state.__getitem__
+    # Not strict: one tensor at a time (and a pipeline stage holds only its own names).
+    each = StateDictOptions(full_state_dict=True, strict=False)
+    for name in list(model.state_dict()):
+        set_model_state_dict(model, {name: draw(name)}, options=each)
 
 
 # Sharded checkpoints (the four sharded scripts): a torch.distributed.checkpoint directory of
@@ -273,29 +275,96 @@ def publish_sharded(out, meta):
         shutil.rmtree(old, ignore_errors=True)
 
 
+def lay_out(path, layout):
+    """torch.save's file of a state_dict of `layout` (names, shapes, dtypes) without the
+    tensors' bytes (skip_data, of fake tensors: no memory); returns where each tensor's bytes
+    go: its record's offset in the zip (stored uncompressed, so they can be written later)."""
+    with FakeTensorMode():
+        fake = {name: torch.empty(shape, dtype=dtype) for name, shape, dtype in layout}
+    try:
+        with torch.serialization.skip_data(materialize_fake_tensors=True):
+            torch.save(fake, path)
+    except (OSError, RuntimeError) as e:  # no such directory, a full disk
+        fail(f"could not write {path.parent} ({first_line(e)})")
+    with zipfile.ZipFile(path) as archive, open(path, "rb") as f:
+        # torch.save numbers the storages 0, 1, ... in the order it meets them: the dict's
+        records = {i.filename.split("/", 1)[1]: i for i in archive.infolist()}
+        offsets = []
+        for info in (records[f"data/{k}"] for k in range(len(fake))):
+            f.seek(info.header_offset + 26)  # the local header: 30 bytes, the name, an extra
+            name_len, extra_len = (int.from_bytes(f.read(2), "little") for _ in range(2))
+            offsets.append(info.header_offset + 30 + name_len + extra_len)
+    return offsets
+
+
 def export_whole(model, paths, pp_group=None):
-    """The whole model's state_dict, gathered into rank 0's CPU memory (all ranks participate),
-    written to each path there: a file that loads without FSDP or DTensor. Returns it on rank 0
-    (None elsewhere). With pp_group (nd_parallel.py's pipeline: each process holds its stages'
-    pieces), each stage's gathered whole on its processes, then joined over rank 0's pipeline."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    """Write the whole model's state_dict to each of `paths` (a file plain torch.load reads)
+    without gathering the model into one process (all ranks participate): rank 0 lays the
+    file out, then for each tensor in turn the ranks that hold its pieces gather it whole,
+    rank 0 writes its bytes in place and frees it; with pp_group (nd_parallel.py), a later
+    stage's from its process in rank 0's pipeline. Returns the first path written or None."""
+    paths = list(paths)
+    if not paths:
+        return None
+    stages = range(dist.get_world_size(pp_group) if pp_group else 0)
+    pipeline = [dist.get_global_rank(pp_group, s) for s in stages]  # rank 0's is [0, ...]
+    in_rank0s = len(pipeline) > 1 and 0 in pipeline  # later stages' tensors come from them
+    own = [(k, tuple(v.shape), v.dtype) for k, v in model.state_dict().items()]
+    layouts = [own]
+    if in_rank0s:  # every stage's names, shapes and dtypes, in order
+        layouts = [None] * len(pipeline) if is_main_process() else None
+        dist.gather_object(own, layouts, dst=0, group=pp_group)
+    tmp = Path(paths[0]).with_name(f".{Path(paths[0]).name}.export{os.getpid()}")
+    offsets = together(lambda: lay_out(tmp, sum(layouts, [])), run=is_main_process())
+    errors = []
 
-    # cpu_offload: on rank 0 alone, which would leave a later stage's processes nothing
-    options = StateDictOptions(full_state_dict=True, cpu_offload=pp_group is None)
-    whole = get_model_state_dict(model, options=options)
-    if pp_group is not None:
-        stage = {k: v.cpu() for k, v in whole.items()}
-        parts = [None] * dist.get_world_size(pp_group) if is_main_process() else None
-        if dist.get_global_rank(pp_group, 0) == 0:  # the pipeline of rank 0 (the others: none)
-            dist.gather_object(stage, parts, dst=0, group=pp_group)
-        whole = {k: v for part in parts or [] for k, v in part.items()}
+    def write(tensor, at):  # rank 0; a full disk is reported after the loop, on every rank
+        try:
+            with open(tmp, "r+b") as f:
+                f.seek(at)
+                f.write(tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        except OSError as e:
+            errors.append(f"could not write {paths[0]} ({e.strerror or e})")
 
-    def write():  # a bad path stops every rank
-        for path in paths:
-            atomic_write(path, lambda tmp: torch.save(whole, tmp))
+    for value in model.state_dict().values():  # this rank's stage's, gathered by its ranks
+        with torch.no_grad():
+            whole = value.full_tensor() if hasattr(value, "full_tensor") else value
+        if is_main_process():
+            write(whole, offsets.pop(0))
+        elif in_rank0s:  # a later stage's process in rank 0's pipeline
+            dist.send(whole.detach().cpu().contiguous(), dst=0, group=pp_group)
+        del whole
+    for sender, layout in zip(pipeline[1:], (layouts or [])[1:], strict=False):
+        for _, shape, dtype in layout:  # rank 0: the later stages', in the order they send
+            dist.recv(whole := torch.empty(shape, dtype=dtype), src=sender, group=pp_group)
+            write(whole, offsets.pop(0))
+            del whole
 
-    together(write, run=is_main_process())
-    return whole if is_main_process() else None
+    def publish():  # rank 0: the file whole under each name, or none
+        try:
+            if errors:
+                fail(errors[0])
+            for path in paths:
+                atomic_write(path, lambda dst: shutil.copyfile(tmp, dst))
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    together(publish, run=is_main_process())
+    return paths[0]
+
+
+SAMPLE_BYTES = 64 * 2**20  # a model larger than this is not read back whole for a sample
+
+
+def weights_for_sample(path):
+    """model.pt's weights (`path`, just written) on rank 0 for its sample of text, if at most
+    SAMPLE_BYTES: no process reads a larger model back whole. None elsewhere, and why."""
+    if path is None:
+        return print0("no sample: no model.pt written (no --output-dir or --export)")
+    size = Path(path).stat().st_size if is_main_process() else 0
+    if size > SAMPLE_BYTES:
+        return print0(f"no sample: {path} is {size / 2**20:.0f} MiB, above {SAMPLE_BYTES >> 20}")
+    return read_torch_file(path, "model.pt") if is_main_process() else None
 
 
 def check_output_dir(path):

@@ -35,25 +35,25 @@ import torch.distributed._functional_collectives as funcol
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from checkpoint import (
     TrainState,
     export_whole,
+    fill_initial,
     find_checkpoint,
-    initial_state,
     publish_sharded,
     reading,
     resume_step,
     sharded_meta,
     sharded_output,
     trim_metrics,
+    weights_for_sample,
 )
 from common import cleanup, fail, init_distributed_mode, peer_failure, print0, require_torch
 from data import load_datasets, pad_batches, shard_loaders
-from models import GPT, ViT, generate, param_groups
+from models import GPT, ViT, generate, initial_weights, param_groups
 from profiling import Profiler, flop_rates, step_flops
 from training import end_epoch, evaluate, log_loss, sharded_args, sharded_parser, warmup_decay
 
@@ -330,16 +330,14 @@ def main(argv=None):
             fully_shard(model, mesh=everyone, mp_policy=policy)
 
         # Built on no device whole, as in fsdp_train.py: the shapes on the meta device, sharded,
-        # then memory for each rank's pieces, filled from rank 0's seeded CPU copy.
+        # then memory for each rank's pieces, filled one whole tensor at a time.
         with torch.device("meta"):
             model = build()
-        initial = initial_state(build, args.seed)  # rank 0: the whole model; None elsewhere
         if group:  # attention over every process's keys and values
             split_attention(model, group, args.cp_impl, chunks, causal=text)
         shard(model)
         model.to_empty(device=device)
-        fill = StateDictOptions(full_state_dict=True, broadcast_from_rank0=info.distributed)
-        set_model_state_dict(model, initial or {}, options=fill)  # all ranks participate
+        fill_initial(model, initial_weights(build, args.seed))  # all ranks participate
         dtype = torch.bfloat16 if args.amp == "bf16" else None  # the compute's (MFU's peak)
         use_autocast = args.amp == "bf16" and not info.distributed  # FSDP gives bf16 itself
         autocast = functools.partial(torch.autocast, device.type, dtype, use_autocast)
@@ -350,7 +348,8 @@ def main(argv=None):
             flops = step_flops(unsplit(), sample.expand(global_batch, *sample.shape))
 
         lr = args.lr * global_batch / 256
-        optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr, betas=args.betas)
+        groups = param_groups(model, args.weight_decay)  # fused, as in fsdp_train.py
+        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas, fused=True)
 
         # Resume, as in fsdp_train.py: rank 0 finds and checks the checkpoint; every rank reads
         # the parts of the saved pieces that make up its own, on any mesh (all participate).
@@ -440,9 +439,10 @@ def main(argv=None):
 
         profiler.stop()
         # The whole model in one file that loads into models.GPT or models.ViT(patch=(1, 28))
-        # without DTensor (all ranks participate); a sample of what the GPT learnt.
-        whole = export_whole(model, filter(None, [out and out / "model.pt", args.export]))
-        if text and whole:  # rank 0
+        # without DTensor, written tensor by tensor (all ranks participate); rank 0's sample
+        # of what the GPT learnt, read back if small.
+        written = export_whole(model, filter(None, [out and out / "model.pt", args.export]))
+        if text and (whole := weights_for_sample(written)):
             print0("sample:", generate(GPT(256, tokens, args.dim, args.depth, args.heads), whole))
         if info.distributed:
             dist.barrier()  # leave together (all ranks participate): rank 0 hosts the store

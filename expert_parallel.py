@@ -33,21 +33,21 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_to_all_single_autograd
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from checkpoint import (
     TrainState,
     export_whole,
+    fill_initial,
     find_checkpoint,
-    initial_state,
     publish_sharded,
     reading,
     resume_step,
     sharded_meta,
     sharded_output,
     trim_metrics,
+    weights_for_sample,
 )
 from common import (
     cleanup,
@@ -60,7 +60,7 @@ from common import (
     require_torch,
 )
 from data import load_datasets, pad_batches, shard_loaders
-from models import build_model, generate, param_groups
+from models import build_model, generate, init_weights, initial_weights, param_groups
 from profiling import Profiler, flop_rates, step_flops
 from training import end_epoch, evaluate, log_loss, sharded_args, sharded_parser, warmup_decay
 
@@ -98,12 +98,10 @@ class MoE(nn.Module):
         hidden = 4 * dim // top_k  # k experts per token: the dense model's MLP compute
         self.router = nn.Linear(dim, experts, bias=False)
 
-        def init(fan_in, *shape):  # nn.Linear's initialisation, expert by expert
-            bound = 1 / math.sqrt(fan_in)
-            return nn.Parameter(torch.empty(experts, *shape).uniform_(-bound, bound))
-
-        self.w1, self.b1 = init(dim, dim, hidden), init(dim, hidden)
-        self.w2, self.b2 = init(hidden, hidden, dim), init(hidden, dim)
+        shapes = dict(w1=(dim, hidden), b1=(hidden,), w2=(hidden, dim), b2=(dim,))
+        for name, shape in shapes.items():  # drawn in with_experts: nn.Linear's U(+-1/sqrt(fan_in))
+            setattr(self, name, nn.Parameter(torch.empty(experts, *shape)))
+        self.init_draws = {n: ("uniform", shapes["w" + n[1]][0] ** -0.5) for n in shapes}
         self.experts, self.top_k, self.capacity_factor = experts, top_k, capacity_factor
         self.decayed = ("w1", "w2")  # the experts' matrices take weight decay (param_groups)
         self.group, self.ep = None, 1  # the EP group, and its size
@@ -205,6 +203,7 @@ def with_experts(model, experts, top_k, capacity_factor):
     """models.py's ViT or GPT with each block's MLP replaced by a mixture of experts."""
     for block in model.blocks:
         block.mlp = MoE(block.attn.q.in_features, experts, top_k, capacity_factor)
+    init_weights(model)  # every tensor drawn by its name, the experts' too (models.py)
     return model
 
 
@@ -291,9 +290,8 @@ def main(argv=None):
         steps_per_epoch, global_batch = len(train_loader), args.batch_size * world
         total_steps = args.epochs * steps_per_epoch
 
-        # Built on no device whole, as in fsdp_train.py: the shapes on the meta device, the
-        # experts cut, then memory for this process's experts and the whole rest only, filled
-        # from rank 0's seeded CPU copy (all ranks participate).
+        # Built on no device whole, as in fsdp_train.py: meta, the experts cut, then memory for
+        # this process's experts and the rest only, filled a whole tensor at a time (all ranks).
         text, sample = args.model == "gpt", train_set[0][0]  # an image, or a sequence
         shape = (sample.shape[-1], args.dim, args.heads, args.seq_len, args.depth)
         dense = partial(build_model, args.model, in_channels, num_classes, *shape)
@@ -301,12 +299,10 @@ def main(argv=None):
         build = lambda: with_experts(dense(), *moe)  # noqa: E731
         with torch.device("meta"):
             model = build()
-        initial = initial_state(build, args.seed)  # rank 0: the whole model; None elsewhere
         if mesh is not None:
             shard_experts(model, mesh)  # from here on, this process's experts only
         model.to_empty(device=device)
-        fill = StateDictOptions(full_state_dict=True, broadcast_from_rank0=info.distributed)
-        set_model_state_dict(model, initial or {}, options=fill)
+        fill_initial(model, initial_weights(build, args.seed))
         autocast = partial(torch.autocast, device.type, torch.bfloat16, args.amp == "bf16")
 
         out = sharded_output(args.output_dir)  # every rank writes there: every rank checks
@@ -314,9 +310,12 @@ def main(argv=None):
         with torch.device("meta"):  # a step's FLOPs: the dense model of the same compute
             flops = step_flops(dense(), sample.expand(global_batch, *sample.shape))
 
-        # The optimizer, made after the cut: it holds (and steps) this process's experts.
+        # After the cut: this process's experts. Fused (fsdp_train.py): plain and DTensors apart.
         lr = args.lr * global_batch / 256
-        optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr, betas=args.betas)
+        kinds = lambda ps: [[p for p in ps if isinstance(p, DTensor) == d] for d in (0, 1)]  # noqa: E731
+        groups = param_groups(model, args.weight_decay)
+        groups = [dict(g, params=ps) for g in groups for ps in kinds(g["params"]) if ps]
+        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas, fused=True)
 
         # Resume: rank 0 finds and checks the checkpoint; every rank reads its pieces (any degree).
         state = dict(train=TrainState(model, optimizer))  # what DCP saves and loads
@@ -413,9 +412,9 @@ def main(argv=None):
                 publish_sharded(out, meta)
 
         profiler.stop()
-        # The whole model in one file that loads without DTensor (all ranks participate).
-        whole = export_whole(model, filter(None, [out and out / "model.pt", args.export]))
-        if text and whole:  # rank 0: a sample of what the GPT learnt
+        # model.pt, written tensor by tensor (all ranks participate); rank 0's sample if small
+        written = export_whole(model, filter(None, [out and out / "model.pt", args.export]))
+        if text and (whole := weights_for_sample(written)):
             print0("sample:", generate(build(), whole))
         if info.distributed:
             dist.barrier()  # leave together (all ranks participate): rank 0 hosts the store

@@ -8,7 +8,8 @@ each process gets the mean for its own shard and steps its own slice of the opti
 Use it when the model and its optimizer state do not fit on one device beside the
 activations; while they do, ddp_train.py is simpler. No device ever holds the whole model:
 every rank builds it on the meta device (shapes, no memory), shards it, and only then gets
-memory for its own pieces, filled by broadcast from rank 0's CPU copy (or --init-from FILE).
+memory for its own pieces, filled one whole tensor at a time (each drawn from a generator
+seeded by its name, or read from --init-from FILE); model.pt is written tensor by tensor.
 
 Launch (--output-dir: one directory for all processes, on several nodes a shared one):
     python fsdp_train.py                                    # one process: nothing to shard
@@ -36,7 +37,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
@@ -44,18 +44,19 @@ from torch.utils.checkpoint import checkpoint
 from checkpoint import (
     TrainState,
     export_whole,
+    fill_initial,
     find_checkpoint,
-    initial_state,
     publish_sharded,
     reading,
     resume_step,
     sharded_meta,
     sharded_output,
     trim_metrics,
+    weights_for_sample,
 )
 from common import cleanup, fail, init_distributed_mode, peer_failure, print0, require_torch
 from data import load_datasets, pad_batches, shard_loaders
-from models import MODELS, build_model, generate, param_groups
+from models import MODELS, build_model, generate, initial_weights, param_groups
 from profiling import Profiler, flop_rates, step_flops
 from training import end_epoch, evaluate, log_loss, sharded_args, sharded_parser, warmup_decay
 
@@ -176,19 +177,17 @@ def main(argv=None):
             fully_shard(model, **kwargs)
 
         # Built on no device whole: the shapes on the meta device (no memory), sharded, then
-        # memory for this rank's shards only, filled by broadcast from rank 0's whole copy in
-        # CPU memory: seeded as one process builds it, or the --init-from file.
+        # memory for this rank's shards only, filled one whole tensor at a time with what one
+        # process starts from (each drawn alone, seeded by its name) or the --init-from file's.
         text, sample = args.model == "gpt", train_set[0][0]  # an image, or a sequence
         shape = (sample.shape[-1], args.dim, args.heads, args.seq_len, args.depth)
         build = functools.partial(build_model, args.model, in_channels, num_classes, *shape)
         with torch.device("meta"):
             model = build()
-        initial = initial_state(build, args.seed, args.init_from, model)  # rank 0: the whole
         shard(model)
         offload = args.cpu_offload and info.distributed  # one process: no FSDP to offload
         model.to_empty(device=torch.device("cpu") if offload else device)
-        fill = StateDictOptions(full_state_dict=True, broadcast_from_rank0=info.distributed)
-        set_model_state_dict(model, initial or {}, options=fill)  # all ranks participate
+        fill_initial(model, initial_weights(build, args.seed), args.init_from)  # all ranks
         # FSDP offloads the parameters; buffers (BatchNorm's statistics) stay with the forward.
         # Moved after the fill, which refuses a model on two devices ("Multiple devices found").
         for module in model.modules() if offload else ():
@@ -212,7 +211,10 @@ def main(argv=None):
 
         # The optimizer, made after fully_shard: it holds (and steps) the local shards only.
         lr = args.lr * global_batch / 256
-        optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr, betas=args.betas)
+        # Fused: one kernel steps every parameter, on CUDA and on the CPU too, where its step
+        # took 0.43-0.47 of foreach's time and of the default loop's (benchmarks/results.md).
+        groups = param_groups(model, args.weight_decay)
+        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas, fused=True)
 
         # Resume: rank 0 finds the checkpoint and checks its meta.pt; every rank reads the parts
         # of the saved shards that make up its own, whatever the number of processes that
@@ -345,9 +347,10 @@ def main(argv=None):
             pending.pop()()  # the last checkpoint written (and published by rank 0)
 
         profiler.stop()
-        # The whole model in one file that loads without FSDP (all ranks participate).
-        whole = export_whole(raw_model, filter(None, [out and out / "model.pt", args.export]))
-        if text and whole:  # rank 0: a sample of what the GPT learnt
+        # The whole model in one file that loads without FSDP, written tensor by tensor (all
+        # ranks participate); rank 0's sample of what the GPT learnt, read back if small.
+        written = export_whole(raw_model, filter(None, [out and out / "model.pt", args.export]))
+        if text and (whole := weights_for_sample(written)):
             print0("sample:", generate(build(), whole))
         if info.distributed:
             dist.barrier()  # leave together (all ranks participate): rank 0 hosts the store

@@ -3,6 +3,7 @@ the script in build_model's place). Nothing in it is distributed: each strategy'
 cuts, shards or wraps these plain modules itself."""
 
 import contextlib
+import hashlib
 import math
 import random
 from collections import OrderedDict
@@ -16,6 +17,69 @@ def seed_everything(seed):
     """The same initial weights wherever a model is built: on every rank, in every layout."""
     random.seed(seed)
     torch.manual_seed(seed)  # seeds every CUDA device too
+
+
+def name_seed(seed, name):
+    """One tensor's seed, from the run's seed and the tensor's name alone."""
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # below 2**63, as manual_seed takes
+
+
+def default_draw(module, attr):
+    """PyTorch's own initialisation of the layer types the transformers use."""
+    if isinstance(module, (nn.Linear, nn.Conv2d)):  # kaiming_uniform(a=sqrt(5)); the bias alike
+        return "uniform", 1 / math.sqrt(math.prod(module.weight.shape[1:]))
+    if isinstance(module, nn.Embedding):
+        return "normal", 1.0
+    if isinstance(module, nn.LayerNorm):  # scale 1, shift 0
+        return "constant", float(attr == "weight")
+    raise ValueError(f"no initialisation for {type(module).__name__}.{attr}")
+
+
+def initial_tensor(model, name, seed):
+    """The initial value of `name` (a parameter of `model`, which may be on the meta device,
+    sharded or one pipeline stage: only its shapes and layer types are read), drawn whole on
+    the CPU from a generator seeded by (seed, name) alone. So a process draws the tensors it
+    holds pieces of, one at a time, and cuts its pieces from the same values one process
+    starts from, whatever the layout: no process builds the whole model. (DTensor's own RNG
+    would draw only the pieces, but not the same values at every layout, and on a CPU mesh
+    not even different ones on different ranks.) The distribution: the module's `init_draws`
+    entry for it (GPT-2's spreads, the experts'), else PyTorch's default for its type."""
+    path, _, attr = name.rpartition(".")
+    module = model.get_submodule(path)
+    like = getattr(module, attr)
+    kind, scale = getattr(module, "init_draws", {}).get(attr) or default_draw(module, attr)
+    out = torch.empty(like.shape, dtype=like.dtype, device="cpu")
+    generator = torch.Generator().manual_seed(name_seed(seed, name))
+    if kind == "normal":
+        return out.normal_(0, scale, generator=generator)
+    if kind == "uniform":
+        return out.uniform_(-scale, scale, generator=generator)
+    return out.fill_(scale)
+
+
+@torch.no_grad()
+def init_weights(model, seed=None):
+    """Every parameter of `model`, built whole, drawn by initial_tensor; seed: the one given to
+    torch.manual_seed (seed_everything's), so a model built after it starts from the weights
+    every sharded layout fills its pieces with. Nothing on the meta device: no memory."""
+    seed = torch.initial_seed() if seed is None else seed
+    for name, param in model.named_parameters():
+        if param.device.type != "meta":
+            param.copy_(initial_tensor(model, name, seed))
+
+
+def initial_weights(build, seed):
+    """name -> the whole initial tensor of that name as one process built with `seed` holds it:
+    the transformers' (marked by init_draws) each drawn alone by initial_tensor; the image
+    networks, whose layers draw in turn from torch's one generator, built whole on the CPU
+    (they are small: at most ResNet-18's 11 M parameters)."""
+    with torch.device("meta"):
+        shapes = build()
+    if hasattr(shapes, "init_draws"):
+        return lambda name: initial_tensor(shapes, name, seed)
+    seed_everything(seed)
+    return build().state_dict().__getitem__
 
 
 class SmallCNN(nn.Sequential):
@@ -175,9 +239,12 @@ class ViT(nn.Module):
         # patch: (height, width) of a token's pixels; default 4 x 4 tokens
         ph, pw = patch or (max(1, size // 4),) * 2
         self.patch_embed = nn.Conv2d(in_channels, dim, (ph, pw), stride=(ph, pw))
-        self.pos = nn.Parameter(0.02 * torch.randn(1, (size // ph) * (size // pw), dim))
+        self.pos = nn.Parameter(torch.empty(1, (size // ph) * (size // pw), dim))
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(depth))
         self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, num_classes)
+        # PyTorch's defaults, and the positions N(0, 0.02); each tensor seeded by its name.
+        self.init_draws = dict(pos=("normal", 0.02))
+        init_weights(self)
 
     def forward(self, x):
         x = self.patch_embed(x).flatten(2).transpose(1, 2) + self.pos  # (N, tokens, dim)
@@ -200,12 +267,11 @@ class GPT(nn.Module):
         # GPT-2's initialisation (as nanoGPT's _init_weights): every weight N(0, 0.02), biases
         # 0, so the first logits are near 0 and the first loss near a uniform guess, ln 256.
         # PyTorch's default (uniform, 1/sqrt(fan_in)) starts above it, sure of wrong bytes.
-        nn.init.normal_(self.pos, std=0.02)
+        # Each tensor drawn from a generator seeded by its name (initial_tensor).
+        self.init_draws = dict(pos=("normal", 0.02))
         for module in self.modules():  # LayerNorm keeps its scale 1 and shift 0
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
+                module.init_draws = dict(weight=("normal", 0.02), bias=("constant", 0.0))
         # Each block adds its attention's and its MLP's output to the residual stream: 2 x depth
         # sums whose variance grows with the depth unless the last layer of each (proj, fc2)
         # starts 1/sqrt(2 x depth) smaller (GPT-2, section 2.3).
@@ -216,9 +282,10 @@ class GPT(nn.Module):
         # attention forms late (benchmarks/results.md).
         for block in self.blocks:
             for last in (block.attn.proj, block.mlp.fc2):
-                nn.init.normal_(last.weight, std=0.02 / math.sqrt(2 * depth))
+                last.init_draws["weight"] = ("normal", 0.02 / math.sqrt(2 * depth))
             for scorer in (block.attn.q, block.attn.k):
-                nn.init.normal_(scorer.weight, std=1 / math.sqrt(dim))
+                scorer.init_draws["weight"] = ("normal", 1 / math.sqrt(dim))
+        init_weights(self)
 
     def forward(self, x):  # (N, T) bytes -> (N, T, vocab); a pipeline stage: see keep_stage
         if self.embed is not None:  # the first stage (or the whole model)

@@ -34,10 +34,6 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    set_model_state_dict,
-)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
@@ -53,14 +49,15 @@ from torch.distributed.tensor.parallel import (
 from checkpoint import (
     TrainState,
     export_whole,
+    fill_initial,
     find_checkpoint,
-    initial_state,
     publish_sharded,
     reading,
     resume_step,
     sharded_meta,
     sharded_output,
     trim_metrics,
+    weights_for_sample,
 )
 from common import (
     cleanup,
@@ -73,7 +70,7 @@ from common import (
     require_torch,
 )
 from data import IGNORED, load_datasets, pad_batches, shard_loaders
-from models import GPT, generate, keep_stage, param_groups
+from models import GPT, generate, initial_weights, keep_stage, param_groups
 from profiling import Profiler, flop_rates, step_flops
 from training import (
     PIPELINE_SCHEDULES,
@@ -301,13 +298,12 @@ def train(args, info):
     # Built on no device whole, as in fsdp_train.py: the shapes on the meta device, cut to each
     # of this process's stages (the blocks it does not hold None: the whole model's names stay,
     # so a checkpoint loads at any other cut), parallelized, then memory for its own pieces
-    # only, filled by broadcast from rank 0's seeded CPU copy (each keeps the names it holds).
+    # only, filled one whole tensor at a time (each drawn alone, seeded by its name).
     build = functools.partial(StageGPT, tokens, args.dim, args.depth, args.heads, mine)
     per_stage = args.depth // n_stages
     with torch.device("meta"):
         whole = build()  # names and shapes, for the checkpoints' meta.pt
         chunks = [keep_stage(build(), s * per_stage, (s + 1) * per_stage) for s in ids]
-    initial = initial_state(build, args.seed)  # rank 0: the whole model; None elsewhere
     # Zero bubble: the weights' gradients are taken after the input's, from the parameters the
     # stage holds then: those the forward used only if FSDP keeps them gathered (else lost).
     gathered = pp > 1 and schedule_name in ("interleaved-zb", "zbv", "dualpipev")
@@ -315,10 +311,7 @@ def train(args, info):
         parallelize(chunk, mesh, layout, tokens, args.amp, gathered, args.sequence_parallel)
         chunk.to_empty(device=device)
     model = joined(chunks)  # what the optimizer, clipping and checkpoints see
-    # Not strict: rank 0's whole model holds every stage's names, each stage takes its own.
-    fill = dict(full_state_dict=True, broadcast_from_rank0=info.distributed, strict=False)
-    set_model_state_dict(model, initial or {}, options=StateDictOptions(**fill))
-    del initial
+    fill_initial(model, initial_weights(build, args.seed))  # all ranks participate
     dtype = torch.bfloat16 if args.amp == "bf16" else None  # the compute's (MFU's peak)
     use_autocast = args.amp == "bf16" and dp * cp == 1  # without FSDP, autocast gives bf16
     autocast = functools.partial(torch.autocast, device.type, dtype, use_autocast)
@@ -462,9 +455,10 @@ def train(args, info):
             save(step)  # all ranks participate
 
     profiler.stop()
-    # The whole model in one file that loads into models.GPT (all ranks participate).
-    full = export_whole(model, filter(None, [out and out / "model.pt", args.export]), pp_group)
-    if full is not None:  # rank 0: a sample of what the GPT learnt
+    # The whole model in one file that loads into models.GPT, written tensor by tensor (all
+    # ranks participate); rank 0's sample of what the GPT learnt, read back if small.
+    written = export_whole(model, filter(None, [out and out / "model.pt", args.export]), pp_group)
+    if full := weights_for_sample(written):
         print0("sample:", generate(GPT(256, tokens, args.dim, args.depth, args.heads), full))
 
 

@@ -31,10 +31,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -46,18 +45,19 @@ from torch.distributed.tensor.parallel import (
 from checkpoint import (
     TrainState,
     export_whole,
+    fill_initial,
     find_checkpoint,
-    initial_state,
     publish_sharded,
     reading,
     resume_step,
     sharded_meta,
     sharded_output,
     trim_metrics,
+    weights_for_sample,
 )
 from common import cleanup, fail, init_distributed_mode, peer_failure, print0, require_torch
 from data import load_datasets, pad_batches, shard_loaders
-from models import build_model, generate, param_groups
+from models import build_model, generate, initial_weights, param_groups
 from profiling import Profiler, flop_rates, step_flops
 from training import (
     clip_grad_norm,
@@ -168,14 +168,12 @@ def main(argv=None):
                 fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
 
         # Built on no device whole, as in fsdp_train.py: the model's shapes on the meta device,
-        # split, then memory for each rank's pieces, filled from rank 0's seeded CPU copy.
+        # split, then memory for each rank's pieces, filled one whole tensor at a time.
         with torch.device("meta"):
             model = build()
-        initial = initial_state(build, args.seed)  # rank 0: the whole model; None elsewhere
         split(model)
         model.to_empty(device=device)
-        fill = StateDictOptions(full_state_dict=True, broadcast_from_rank0=info.distributed)
-        set_model_state_dict(model, initial or {}, options=fill)  # all ranks participate
+        fill_initial(model, initial_weights(build, args.seed))  # all ranks participate
         dtype = torch.bfloat16 if args.amp == "bf16" else None  # the compute's (MFU's peak)
         use_autocast = args.amp == "bf16" and dp == 1  # without FSDP, autocast gives bf16
         autocast = functools.partial(torch.autocast, device.type, dtype, use_autocast)
@@ -187,7 +185,12 @@ def main(argv=None):
 
         # The optimizer, made after the split: it holds (and steps) this process's pieces.
         lr = args.lr * global_batch / 256
-        optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr, betas=args.betas)
+        # Fused, as in fsdp_train.py. A fused call takes plain tensors or DTensors, not both
+        # (TP alone keeps the embedding and head plain): a group of each.
+        groups = param_groups(model, args.weight_decay)
+        kinds = lambda ps: [[p for p in ps if isinstance(p, DTensor) == d] for d in (0, 1)]  # noqa: E731
+        groups = [dict(g, params=ps) for g in groups for ps in kinds(g["params"]) if ps]
+        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas, fused=True)
 
         # Resume, as in fsdp_train.py: rank 0 finds and checks the checkpoint; every rank reads
         # the parts of the saved pieces that make up its own, at any degree (all participate).
@@ -276,9 +279,10 @@ def main(argv=None):
                 save(step)  # all ranks participate
 
         profiler.stop()
-        # The whole model in one file that loads without DTensor (all ranks participate).
-        whole = export_whole(model, filter(None, [out and out / "model.pt", args.export]))
-        if text and whole:  # rank 0: a sample of what the GPT learnt
+        # The whole model in one file that loads without DTensor, written tensor by tensor
+        # (all ranks participate); rank 0's sample of what the GPT learnt, read back if small.
+        written = export_whole(model, filter(None, [out and out / "model.pt", args.export]))
+        if text and (whole := weights_for_sample(written)):
             print0("sample:", generate(build(), whole))
         if info.distributed:
             dist.barrier()  # leave together (all ranks participate): rank 0 hosts the store

@@ -11,11 +11,11 @@ through /proc/self/clear_refs) just before the model is built, and reports the p
 that level twice: once the model is built and sharded ("build"), and after --steps AdamW steps
 on random images of Fashion-MNIST's shape ("peak"). The layouts: "ddp" (ddp_train.py: the
 whole model, DDP), "fsdp" (fsdp_train.py: built on the meta device, each rank's pieces filled
-from rank 0's CPU copy), "fsdp built whole" (the model built on every rank, then sharded) and
-"hsdp" (fsdp_train.py --replicate 2: two replicas, each sharded over half the processes; at
-4 processes and more).
-On a CPU the device's memory and the host's are one: rank 0's copy of the whole model, which
-fills the others' pieces, counts in its "build" figure (on a GPU it is host memory). Blocks of
+one whole tensor at a time, each drawn from its name), "fsdp built whole" (the model built on
+every rank, then sharded) and "hsdp" (fsdp_train.py --replicate 2: two replicas, each sharded
+over half the processes; at 4 processes and more).
+On a CPU the device's memory and the host's are one: the whole tensor a rank draws before it
+keeps its piece counts in its "build" figure (on a GPU it is host memory). Blocks of
 1 MB and more are returned to the system when freed (MALLOC_MMAP_THRESHOLD_), so the peaks
 are what the tensors needed, not what glibc kept for reuse.
 """
@@ -35,14 +35,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from sharding import local_bytes  # noqa: E402
-from torch.distributed.checkpoint.state_dict import (  # noqa: E402
-    StateDictOptions,
-    set_model_state_dict,
-)
 
-from checkpoint import initial_state  # noqa: E402
+from checkpoint import fill_initial  # noqa: E402
 from common import cleanup, init_distributed_mode  # noqa: E402
-from models import ViT  # noqa: E402
+from models import ViT, initial_weights  # noqa: E402
 
 LAYOUTS = ("ddp", "fsdp", "fsdp built whole", "hsdp")
 
@@ -86,14 +82,12 @@ def worker(args):
             model = net = build()
             shard(model)
         else:
-            # fsdp_train.py's build: meta, shard, memory for the shards, filled from rank 0's
+            # fsdp_train.py's build: meta, shard, memory for the shards, filled a tensor at a time
             with torch.device("meta"):
                 model = net = build()
-            state = initial_state(build, 0)
             shard(model)
             model.to_empty(device="cpu")
-            fill = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-            set_model_state_dict(model, state or {}, options=fill)
+            fill_initial(model, initial_weights(build, 0))
         build_peak = resident_kb("VmHWM") - before
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         per_rank = args.global_batch // world

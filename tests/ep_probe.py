@@ -105,7 +105,7 @@ real_with_experts = expert_parallel.with_experts
 def with_experts(*args, **kwargs):
     model = real_with_experts(*args, **kwargs)
     seen["builds"].append(str(model.pos.device))  # where each whole model was built
-    if not models:  # the first: the model trained (rank 0 then builds a CPU copy to fill it)
+    if not models:  # the first: the model trained (then the shapes its fill draws from)
         models.append(model)
     return model
 

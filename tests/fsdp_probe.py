@@ -150,7 +150,7 @@ if "groups" in modes:
 if "build" in modes:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    real_fully_shard, real_fill = fsdp_train.fully_shard, fsdp_train.set_model_state_dict
+    real_fully_shard, real_fill = fsdp_train.fully_shard, fsdp_train.fill_initial
 
     def fully_shard(module, **kwargs):
         tensors = itertools.chain(module.parameters(), module.buffers())
@@ -158,14 +158,14 @@ if "build" in modes:
         seen.setdefault("mesh", []).append(kwargs["mesh"].device_type)
         return real_fully_shard(module, **kwargs)
 
-    def set_model_state_dict(model, *args, **kwargs):  # the fill, after the meta build
+    def fill_initial(model, *args, **kwargs):  # the fill, after the meta build
         real_fill(model, *args, **kwargs)
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(model, options=options)  # all ranks participate
         if not dist.is_initialized() or dist.get_rank() == 0:
             torch.save(state, os.path.join(reports, "initial.pt"))
 
-    fsdp_train.fully_shard, fsdp_train.set_model_state_dict = fully_shard, set_model_state_dict
+    fsdp_train.fully_shard, fsdp_train.fill_initial = fully_shard, fill_initial
 
 if "short-test" in modes:
     real_load = fsdp_train.load_datasets

@@ -53,20 +53,28 @@ module.load_datasets = load_datasets
 real_adamw = torch.optim.AdamW
 
 
+real_param_groups = module.param_groups
+order = []  # the model's parameters in its own order: a script may split AdamW's groups
+
+
+def param_groups(model, *args):
+    order[:] = list(model.parameters())
+    return real_param_groups(model, *args)
+
+
 def adamw(params, *args, **kwargs):
     optimizer = real_adamw(params, *args, **kwargs)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
     seen["betas"] = [tuple(group["betas"]) for group in optimizer.param_groups]
 
     def before_step(optimizer, *_):
-        seen["grads"].append([whole(p.grad).clone() for p in params])
+        seen["grads"].append([whole(p.grad).clone() for p in order])
         seen["rates"].append(optimizer.param_groups[0]["lr"])
 
     optimizer.register_step_pre_hook(before_step)
     return optimizer
 
 
-torch.optim.AdamW = adamw
+torch.optim.AdamW, module.param_groups = adamw, param_groups
 real_cleanup = module.cleanup
 
 

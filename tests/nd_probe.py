@@ -69,15 +69,22 @@ def end_epoch(metrics, record):
     return real["end_epoch"](metrics, record)
 
 
-def export_whole(*args):  # the run's last collective: its model.pt (rank 0; None elsewhere)
-    seen["saved"] = real["export_whole"](*args)
-    return seen["saved"]
+def read_back(path):  # rank 0: the whole model in the file export_whole wrote; None elsewhere
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    return torch.load(path, weights_only=True) if first else None
+
+
+def export_whole(*args):  # the run's last collective: its model.pt
+    path = real["export_whole"](*args)
+    seen["saved"] = read_back(path)
+    return path
 
 
 def load(*args, **kwargs):
     real_load(*args, **kwargs)
     seen["grads"].clear()  # set_state_dict's step of zero gradients, to make AdamW's state
-    seen["loaded"] = real["export_whole"](model["stage"], [], model["pp_group"])
+    path = os.path.join(reports, "loaded.pt")  # every rank's pieces, written whole by rank 0
+    seen["loaded"] = read_back(real["export_whole"](model["stage"], [path], model["pp_group"]))
 
 
 real_parallelize = module.parallelize

@@ -781,8 +781,8 @@ def test_fsdp_cpu_offload_keeps_batchnorm_statistics_on_the_gpu(run):
 
 def test_fsdp_device_cpu_init_from_and_bf16_batchnorm(run):
     """--device cpu on a machine with GPUs: the mesh, and so every shard, on the CPU (gloo; the
-    default mesh would be CUDA's). --init-from a model.pt on the device: the shards filled by
-    broadcast from rank 0 (NCCL) equal the file. The CNN's BatchNorm in bf16 on the device."""
+    default mesh would be CUDA's). --init-from a model.pt on the device: the shards filled from
+    the file a tensor at a time (every rank reads it) equal it. The CNN's BatchNorm in bf16."""
     mlp = [*DIST_TIMEOUT, "--data", "synthetic", "--model", "mlp", "--max-steps", "3"]
     cpu, proc = run("fsdp_train.py", [*mlp, "--device", "cpu"], nproc=2)
     assert "2 process(es) on cpu" in proc.stdout, proc.stdout[-2000:]

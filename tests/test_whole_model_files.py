@@ -11,6 +11,7 @@ import torch
 from conftest import SYNTHETIC, read_metrics, run_python
 from torch.utils.data import DataLoader
 
+import checkpoint
 import data
 import finetune
 import models
@@ -125,3 +126,55 @@ def test_finetune_reads_a_trained_resnet18(tmp_path, script, name):
     argv = ["finetune.py", *SYNTHETIC, "--weights-file", weights, "--image-size", "32"]
     proc = run_python([*argv, "--epochs", "1", "--max-steps", "1", "--batch-size", "16"])
     assert f"{weights}: loaded 119 of 122 tensors" in proc.stdout
+
+
+# ----------------------------------------------------------------------------------------
+# How the sharded scripts make and fill them without the whole model in one process
+
+
+def test_the_streamed_model_pt_is_what_torch_save_writes(tmp_path):
+    """checkpoint.export_whole lays the file out, then writes each tensor's bytes in place
+    (here one process: each tensor its own whole): plain torch.load reads every dtype and
+    shape back (bf16, an int buffer, a 0-d one, a non-contiguous view), under every name."""
+    model = torch.nn.Linear(3, 5).to(torch.bfloat16)
+    model.register_buffer("steps", torch.tensor(7))
+    model.register_buffer("table", torch.arange(12).view(3, 4).t())  # not contiguous
+    paths = [tmp_path / "model.pt", tmp_path / "copy.pt"]
+    assert checkpoint.export_whole(model, paths) == paths[0]
+    for path in paths:
+        loaded = torch.load(path, weights_only=True)
+        assert list(loaded) == list(model.state_dict())
+        for key, value in model.state_dict().items():
+            assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy.pt", "model.pt"]  # no tmp left
+
+
+def test_export_to_a_missing_directory_is_one_line_and_writes_nothing(tmp_path):
+    with pytest.raises(SystemExit) as excinfo:
+        checkpoint.export_whole(torch.nn.Linear(2, 2), [tmp_path / "no" / "model.pt"])
+    assert (
+        excinfo.value.code.startswith("error: could not write") and not (tmp_path / "no").exists()
+    )
+
+
+@pytest.mark.parametrize("build", [lambda: models.GPT(256, 16, 32, 3, 2), lambda: models.ViT()])
+def test_each_tensor_is_drawn_alone_from_its_name_and_the_seed(build):
+    """What a sharded script fills (models.initial_tensor on a meta-device model, one tensor at
+    a time) is what the model built after seed_everything holds: one process's weights. A
+    tensor's values depend on (seed, name) alone: the other tensors are not drawn."""
+    models.seed_everything(5)
+    built = build().state_dict()
+    with torch.device("meta"):
+        shapes = build()
+    for name in reversed(list(built)):  # any order: each from its own generator
+        assert torch.equal(models.initial_tensor(shapes, name, 5), built[name]), name
+    twins = [built[f"blocks.{i}.attn.v.weight"] for i in (0, 1)]  # one shape and spread
+    assert not torch.equal(*twins)  # each from its own name's generator
+    drawn = models.initial_weights(build, 5)
+    assert torch.equal(drawn("blocks.1.attn.q.weight"), built["blocks.1.attn.q.weight"])
+    other = models.initial_tensor(shapes, "blocks.1.attn.q.weight", 6)
+    assert not torch.equal(other, built["blocks.1.attn.q.weight"])  # another seed, new values
+    models.seed_everything(5)  # the same blocks in a deeper model: the same q and k
+    deeper = models.GPT(256, 16, 32, 4, 2).state_dict()
+    if "embed.weight" in built:
+        assert torch.equal(deeper["blocks.1.attn.k.weight"], built["blocks.1.attn.k.weight"])
