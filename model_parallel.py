@@ -305,8 +305,8 @@ def train(args, info):
                 else:  # PyTorch's eval() stops in a V's backward actions (2.14): a step, ungraded
                     with torch.enable_grad():
                         logits = schedule.step(*inputs, target=target, losses=losses)
-                for module in modules:
-                    module.zero_grad(set_to_none=True)
+                    for module in modules:
+                        module.zero_grad(set_to_none=True)
             if not training or rank != last:
                 return logits if rank == last else None
             return torch.stack(losses).detach().mean()  # equal micro-batches: the batch's mean

@@ -11,6 +11,8 @@ no BatchNorm (whose statistics would depend on the micro-batch).
 
 import argparse
 import copy
+import itertools
+import random
 import re
 import shutil
 import time
@@ -282,6 +284,37 @@ def test_resume_one_process_checkpoint_under_torchrun(resume_runs, tmp_path):
     check_resumed(out, full, proc, atol=1e-4)
 
 
+def test_resume_after_max_steps_mid_epoch_ends_where_a_straight_run_ends(
+    no_launcher, tmp_path, small_text
+):
+    """Stopped by --max-steps after step 2 of an epoch of 29 and rerun to step 4: the epoch's
+    batches done are skipped and the schedule goes on, so the checkpoint is bit for bit the
+    one of 4 steps straight (weights and AdamW's moments and step count); micro-batched on 2
+    stages in this process (mode 3's schedules: test_gpt_every_schedule_*'s resumed runs).
+    Then a resume with another --decay (the linear default saved) stops in one line, nothing
+    trained or written."""
+    flags = [*text_flags(small_text), "--dim", "32", "--heads", "2", "--depth", "2"]
+    flags += ["--batch-size", "16", "--devices", "cpu,cpu", "--microbatches", "4"]
+    straight, out = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    model_parallel.main([*flags, "--max-steps", "4", "--output-dir", straight])
+    model_parallel.main([*flags, "--max-steps", "2", "--output-dir", out])
+    model_parallel.main([*flags, "--max-steps", "4", "--output-dir", out])
+    want, got = load_ckpt(straight), load_ckpt(out)
+    assert (got["step"], got["epoch"], got["steps_per_epoch"]) == (4, 0, 29)
+    assert want["model"].keys() == got["model"].keys()
+    assert all(torch.equal(v, got["model"][k]) for k, v in want["model"].items())
+    for name, state in want["optimizer"].items():
+        assert all(torch.equal(v, got["optimizer"][name][k]) for k, v in state.items()), name
+    assert [m["step"] for m in read_metrics(out)] == [4]  # the epoch's line once
+    before = {p.name: p.read_bytes() for p in Path(out).iterdir()}
+    with pytest.raises(SystemExit) as excinfo:
+        model_parallel.main([*flags, "--max-steps", "6", "--decay", "cosine", "--output-dir", out])
+    message = excinfo.value.code
+    assert message.startswith("error: ") and "\n" not in message
+    assert "was trained with --decay linear; resume with the same" in message
+    assert {p.name: p.read_bytes() for p in Path(out).iterdir()} == before
+
+
 @pytest.mark.slow
 @needs_2_10
 def test_ranks_resume_from_rank_0s_checkpoint(tmp_path):
@@ -321,10 +354,29 @@ def test_unwritable_output_dir_stops_every_rank_with_the_cause(tmp_path):
     assert errors[0].startswith(f"error: output directory {tmp_path / 'file' / 'out'} is not")
 
 
+def every_cut(costs, stages):
+    """The cut by brute force: every one tried (C(layers - 1, stages - 1) of them), the first
+    (in itertools.combinations' order) of those whose slowest stage is cheapest."""
+    prefix = [0, *itertools.accumulate(costs)]
+    cuts = itertools.combinations(range(1, len(costs)), stages - 1)
+    splits = [list(itertools.pairwise((0, *cut, len(costs)))) for cut in cuts]
+    return min(splits, key=lambda runs: max(prefix[b] - prefix[a] for a, b in runs))
+
+
 def test_balanced_split():
     # The slowest stage sets the pace: the cuts minimise the most expensive stage.
     assert model_parallel.balanced_split([1, 5, 5, 1, 1], 2) == [(0, 2), (2, 5)]
     assert model_parallel.balanced_split([1, 1, 1], 3) == [(0, 1), (1, 2), (2, 3)]
+    # The dynamic program makes brute force's cut, ties (equal costs) and floats included.
+    rng = random.Random(0)
+    for _ in range(500):
+        costs = [rng.choice([1, 2, 3, 0.1, 1e6, rng.random()]) for _ in range(rng.randint(1, 9))]
+        stages = rng.randint(1, len(costs))
+        assert training.balanced_split(costs, stages) == every_cut(costs, stages), (costs, stages)
+    # 96 blocks in 8 stages: 1.1e10 cuts by brute force, here at once, each stage 12 blocks.
+    start = time.perf_counter()
+    split = training.balanced_split([1] * 96, 8)
+    assert time.perf_counter() - start < 2 and split == [(a, a + 12) for a in range(0, 96, 12)]
 
 
 def docstring_launches():
@@ -492,13 +544,23 @@ GPT_ARGS += ["--lr", "0.05", "--max-steps", "3", "--microbatches", "8", *DIST_TI
 SCHEDULES = list(training.PIPELINE_SCHEDULES)
 
 
-def gpt_probe(tmp_path, corpus, nproc, schedules):
+def gpt_probe(tmp_path, corpus, nproc, schedules, resumed=()):
     """pp_probe.py's reports {schedule: (per-step losses, per-step gradients by name, output
     directory, {stage: its activations' peak and one micro-batch's bytes})}: one process
-    (schedules ["one"], the unsplit GPT) or nproc, every schedule in turn in the same processes."""
-    argv = ["tests/pp_probe.py", tmp_path, ",".join(schedules), "--", *text_flags(corpus)]
-    argv += [*GPT_ARGS, *(["--devices", "cpu"] if nproc == 1 else [])]
+    (schedules ["one"], the unsplit GPT) or nproc, every schedule in turn in the same processes.
+    Then each of `resumed` stopped after step 1 and run again: its checkpoint after step 3 is
+    bit for bit its straight run's (the epoch's batches done skipped, the schedule going on)."""
+    again = [f"{name}+1" for name in resumed]
+    argv = ["tests/pp_probe.py", tmp_path, ",".join([*schedules, *again]), "--"]
+    argv += [*text_flags(corpus), *GPT_ARGS, *(["--devices", "cpu"] if nproc == 1 else [])]
     run_python(argv) if nproc == 1 else torchrun_workers(nproc, argv, timeout=400)
+    for name in resumed:
+        want, got = load_ckpt(tmp_path / name), load_ckpt(tmp_path / f"{name}+1")
+        assert got["step"] == want["step"] == 3 and want["steps_per_epoch"] > 3, name
+        for key in ("model", "optimizer"):
+            flat = [torch.utils._pytree.tree_flatten(c[key]) for c in (want, got)]
+            assert flat[0][1] == flat[1][1], (name, key)  # the same names and layout
+            assert all(map(torch.equal, flat[0][0], flat[1][0])), (name, key)
     reports = {}
     for name in schedules:
         ranks = [torch.load(tmp_path / f"{name}.rank{r}.pt") for r in range(nproc)]
@@ -579,8 +641,10 @@ def test_gpt_every_schedule_on_two_processes_takes_one_process_steps(
     gpt_one, tmp_path, small_text, schedules
 ):
     """Every schedule on 2 processes (interleaved, V: 4 stages), in two launches: each step's
-    loss, every gradient, the test loss and its exact evaluation are one process's."""
-    check_schedules(gpt_probe(tmp_path, small_text, 2, schedules), gpt_one, small_text)
+    loss, every gradient, the test loss and its exact evaluation are one process's. Resumed
+    after step 1 (mid-epoch), bit for bit a straight run: ZBV, and in the slow launch each."""
+    resumed = ["zbv"] if "zbv" in schedules else schedules  # a V, whose rank 0 holds 2 ends
+    check_schedules(gpt_probe(tmp_path, small_text, 2, schedules, resumed), gpt_one, small_text)
 
 
 @pytest.mark.slow
@@ -588,8 +652,9 @@ def test_gpt_every_schedule_on_two_processes_takes_one_process_steps(
 def test_gpt_every_schedule_on_four_processes_takes_one_process_steps(
     gpt_one, tmp_path, small_text
 ):
-    """The same on 4 processes: 4 stages, 8 interleaved or in a V."""
-    check_schedules(gpt_probe(tmp_path, small_text, 4, SCHEDULES), gpt_one, small_text)
+    """The same on 4 processes: 4 stages, 8 interleaved or in a V; GPipe and 1F1B resumed."""
+    reports = gpt_probe(tmp_path, small_text, 4, SCHEDULES, ["gpipe", "1f1b"])
+    check_schedules(reports, gpt_one, small_text)
 
 
 @pytest.mark.parametrize(
