@@ -284,19 +284,61 @@ def test_resume_one_process_checkpoint_under_torchrun(resume_runs, tmp_path):
     check_resumed(out, full, proc, atol=1e-4)
 
 
+def test_gpt_takes_the_sharded_scripts_text_recipe():
+    """--data text: the text defaults of fsdp_train.py and the other sharded scripts."""
+    import fsdp_train
+
+    text = ["--data", "text", "--model", "gpt"]
+    mine, theirs = model_parallel.get_args(text), fsdp_train.get_args(text)
+    recipe = ("epochs", "lr", "betas", "decay", "clip_grad", "warmup", "weight_decay")
+    for name in (*recipe, "dim", "depth", "heads", "seq_len"):
+        assert getattr(mine, name) == getattr(theirs, name), name
+    assert (mine.betas, mine.decay, mine.clip_grad, mine.dim, mine.depth) == (
+        (0.9, 0.95),
+        "linear",
+        1.0,
+        128,
+        2,
+    )
+
+
 def test_resume_after_max_steps_mid_epoch_ends_where_a_straight_run_ends(
-    no_launcher, tmp_path, small_text
+    no_launcher, monkeypatch, tmp_path, small_text
 ):
     """Stopped by --max-steps after step 2 of an epoch of 29 and rerun to step 4: the epoch's
     batches done are skipped and the schedule goes on, so the checkpoint is bit for bit the
     one of 4 steps straight (weights and AdamW's moments and step count); micro-batched on 2
     stages in this process (mode 3's schedules: test_gpt_every_schedule_*'s resumed runs).
+    The straight run steps with the text recipe: AdamW's betas 0.9 0.95, the gradients
+    clipped to a norm of 1, the rate falling in a straight line after 2 steps of warm-up.
     Then a resume with another --decay (the linear default saved) stops in one line, nothing
     trained or written."""
     flags = [*text_flags(small_text), "--dim", "32", "--heads", "2", "--depth", "2"]
     flags += ["--batch-size", "16", "--devices", "cpu,cpu", "--microbatches", "4"]
     straight, out = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    seen, adamw = [], torch.optim.AdamW
+
+    def instrumented(*args, **kwargs):
+        optimizer = adamw(*args, **kwargs)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+
+        def before_step(*_):
+            norm = torch.stack([p.grad.norm() for p in params]).norm().item()
+            [betas] = {g["betas"] for g in optimizer.param_groups}
+            seen.append((optimizer.param_groups[0]["lr"], norm, betas, optimizer.defaults["fused"]))
+
+        optimizer.register_step_pre_hook(before_step)
+        return optimizer
+
+    monkeypatch.setattr(torch.optim, "AdamW", instrumented)
     model_parallel.main([*flags, "--max-steps", "4", "--output-dir", straight])
+    monkeypatch.undo()
+    rates, norms, betas, fused = zip(*seen, strict=True)
+    assert set(betas) == {(0.9, 0.95)} and set(fused) == {True}
+    assert all(n <= 1 + 1e-5 for n in norms) and max(n for n in norms) > 0.99  # clipped at 1
+    peak = 0.14 * 16 / 256  # --lr per 256 samples
+    want = [peak / 2, peak, peak, peak * (1 - 1 / 27)]  # warm-up: int(0.1 x 29) steps
+    assert rates == pytest.approx(want, rel=1e-9), rates
     model_parallel.main([*flags, "--max-steps", "2", "--output-dir", out])
     model_parallel.main([*flags, "--max-steps", "4", "--output-dir", out])
     want, got = load_ckpt(straight), load_ckpt(out)
@@ -544,7 +586,7 @@ GPT_ARGS += ["--lr", "0.05", "--max-steps", "3", "--microbatches", "8", *DIST_TI
 SCHEDULES = list(training.PIPELINE_SCHEDULES)
 
 
-def gpt_probe(tmp_path, corpus, nproc, schedules, resumed=()):
+def gpt_probe(tmp_path, corpus, nproc, schedules, resumed=(), flags=()):
     """pp_probe.py's reports {schedule: (per-step losses, per-step gradients by name, output
     directory, {stage: its activations' peak and one micro-batch's bytes})}: one process
     (schedules ["one"], the unsplit GPT) or nproc, every schedule in turn in the same processes.
@@ -552,7 +594,7 @@ def gpt_probe(tmp_path, corpus, nproc, schedules, resumed=()):
     bit for bit its straight run's (the epoch's batches done skipped, the schedule going on)."""
     again = [f"{name}+1" for name in resumed]
     argv = ["tests/pp_probe.py", tmp_path, ",".join([*schedules, *again]), "--"]
-    argv += [*text_flags(corpus), *GPT_ARGS, *(["--devices", "cpu"] if nproc == 1 else [])]
+    argv += [*text_flags(corpus), *GPT_ARGS, *(["--devices", "cpu"] if nproc == 1 else []), *flags]
     run_python(argv) if nproc == 1 else torchrun_workers(nproc, argv, timeout=400)
     for name in resumed:
         want, got = load_ckpt(tmp_path / name), load_ckpt(tmp_path / f"{name}+1")
@@ -654,6 +696,16 @@ def test_gpt_every_schedule_on_four_processes_takes_one_process_steps(
 ):
     """The same on 4 processes: 4 stages, 8 interleaved or in a V; GPipe and 1F1B resumed."""
     reports = gpt_probe(tmp_path, small_text, 4, SCHEDULES, ["gpipe", "1f1b"])
+    check_schedules(reports, gpt_one, small_text)
+
+
+@pytest.mark.slow
+@needs_2_10
+@pytest.mark.skipif(not shutil.which("gcc"), reason="torch.compile on the CPU needs gcc")
+def test_gpt_compiled_blocks_on_two_processes_take_one_process_steps(gpt_one, tmp_path, small_text):
+    """--compile (each block compiled on its own, inside the pipeline's stages): 1F1B on 2
+    processes takes the uncompiled one process's steps, within the same tolerances."""
+    reports = gpt_probe(tmp_path, small_text, 2, ["1f1b"], flags=["--compile"])
     check_schedules(reports, gpt_one, small_text)
 
 
