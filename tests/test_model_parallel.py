@@ -122,7 +122,8 @@ def split_model(model, devices):
     costs = model_parallel.layer_costs(model, torch.zeros(1, 1, 28, 28))
     cuts = model_parallel.balanced_split(costs, len(devices))
     pairs = zip(cuts, devices, strict=True)
-    return [model_parallel.make_stage(model, a, b).to(d) for (a, b), d in pairs]
+    plain = types.SimpleNamespace(compile=False, amp="none")  # neither --compile nor --amp
+    return [model_parallel.make_stage(model, a, b, d, plain) for (a, b), d in pairs]
 
 
 @pytest.mark.parametrize("stages, microbatches", [(2, 1), (3, 4)])
