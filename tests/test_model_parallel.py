@@ -11,12 +11,14 @@ no BatchNorm (whose statistics would depend on the micro-batch).
 
 import argparse
 import copy
+import gc
 import itertools
 import random
 import re
 import shutil
 import time
 import types
+import weakref
 from pathlib import Path
 
 import pytest
@@ -146,6 +148,23 @@ def test_split_matches_unsplit_model(stages, microbatches):
     for optimizer in optimizers:
         optimizer.step()
     assert_state_close(split.state_dict(), reference.state_dict(), atol=ATOL)
+
+
+def test_amp_sends_bf16_between_stages():
+    """--amp bf16: a stage sends its activations in bf16 (half the bytes), the next takes them
+    back to fp32 for its residual stream; the logits are the unsplit model's under autocast."""
+    torch.manual_seed(0)
+    model, cpu = models.GPT(256, 16, 32, 2, 2), torch.device("cpu")
+    amp = types.SimpleNamespace(compile=False, amp="bf16")
+    first, second = (model_parallel.make_stage(model, a, a + 1, cpu, amp) for a in (0, 1))
+    received = []
+    second.blocks[1].register_forward_pre_hook(lambda _, xs: received.append(xs[0].dtype))
+    tokens = torch.randint(0, 256, (2, 16))
+    with torch.autocast("cpu", torch.bfloat16):
+        sent = first(tokens)
+        logits, whole = second(sent), model(tokens)
+    assert sent.dtype == torch.bfloat16 and received == [torch.float32]
+    assert torch.allclose(logits.float(), whole.float(), atol=0.05)
 
 
 def test_microbatches_form_a_wavefront():
@@ -311,19 +330,27 @@ def test_resume_after_max_steps_mid_epoch_ends_where_a_straight_run_ends(
     one of 4 steps straight (weights and AdamW's moments and step count); micro-batched on 2
     stages in this process (mode 3's schedules: test_gpt_every_schedule_*'s resumed runs).
     The straight run steps with the text recipe: AdamW's betas 0.9 0.95, the gradients
-    clipped to a norm of 1, the rate falling in a straight line after 2 steps of warm-up.
+    clipped to a norm of 1, the rate falling in a straight line after 2 steps of warm-up; and
+    the whole GPT built to be cut is gone by then (the stages hold copies of their blocks).
     Then a resume with another --decay (the linear default saved) stops in one line, nothing
     trained or written."""
     flags = [*text_flags(small_text), "--dim", "32", "--heads", "2", "--depth", "2"]
     flags += ["--batch-size", "16", "--devices", "cpu,cpu", "--microbatches", "4"]
     straight, out = str(tmp_path / "straight"), str(tmp_path / "resumed")
-    seen, adamw = [], torch.optim.AdamW
+    seen, adamw, built = [], torch.optim.AdamW, []
+
+    class GPT(models.GPT):  # deep copies (the stages) are not built: only the whole model is
+        def __init__(self, *args):
+            super().__init__(*args)
+            built.append(weakref.ref(self))
 
     def instrumented(*args, **kwargs):
         optimizer = adamw(*args, **kwargs)
         params = [p for group in optimizer.param_groups for p in group["params"]]
 
         def before_step(*_):
+            gc.collect()
+            assert len(built) == 1 and built[0]() is None  # nothing holds the whole GPT
             norm = torch.stack([p.grad.norm() for p in params]).norm().item()
             [betas] = {g["betas"] for g in optimizer.param_groups}
             seen.append((optimizer.param_groups[0]["lr"], norm, betas, optimizer.defaults["fused"]))
@@ -332,6 +359,7 @@ def test_resume_after_max_steps_mid_epoch_ends_where_a_straight_run_ends(
         return optimizer
 
     monkeypatch.setattr(torch.optim, "AdamW", instrumented)
+    monkeypatch.setattr(model_parallel, "GPT", GPT)
     model_parallel.main([*flags, "--max-steps", "4", "--output-dir", straight])
     monkeypatch.undo()
     rates, norms, betas, fused = zip(*seen, strict=True)
