@@ -98,7 +98,10 @@ for schedule in schedules:
         if meters:
             meters[-1].stop()
             seen["activations"] = meters.pop().peaks()
-        torch.save(dict(seen), os.path.join(reports, f"{schedule}.rank{rank}.pt"))
+        compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # --compile's graphs
+        torch.save(
+            dict(seen, compiled=compiled), os.path.join(reports, f"{schedule}.rank{rank}.pt")
+        )
 
     model_parallel.cleanup = report
     name, *stop = schedule.split("+")

@@ -268,7 +268,7 @@ def resume_runs(tmp_path_factory):
 
 
 def check_resumed(out, full, proc, atol):
-    assert "resumed from" in proc.stdout and "at epoch 1 of 2" in proc.stdout
+    assert "resumed from" in proc.stdout and "at epoch 1, step 0 of 7" in proc.stdout
     expected, resumed = load_ckpt(full), load_ckpt(out)
     assert (resumed["epoch"], resumed["step"]) == (expected["epoch"], expected["step"]) == (2, 14)
     assert_state_close(resumed["model"], expected["model"], atol=atol)
@@ -736,6 +736,8 @@ def test_gpt_compiled_blocks_on_two_processes_take_one_process_steps(gpt_one, tm
     processes takes the uncompiled one process's steps, within the same tolerances."""
     reports = gpt_probe(tmp_path, small_text, 2, ["1f1b"], flags=["--compile"])
     check_schedules(reports, gpt_one, small_text)
+    for rank in range(2):  # the blocks ran compiled: graphs were made on each rank
+        assert torch.load(tmp_path / f"1f1b.rank{rank}.pt")["compiled"] > 0, rank
 
 
 @pytest.mark.parametrize(
