@@ -22,9 +22,7 @@ In every mode a step's gradients are the whole batch's mean, as on one device.
         --depth 4 --pipeline-schedule zbv                           # the GPT, 4 stages in a V
     torchrun --nnodes=2 --nproc_per_node=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
         --rdzv-id=myjob model_parallel.py                  # on every node: 4 stages, 1 per GPU
-A rerun with the same --output-dir resumes where the last one stopped (mid-epoch too: after
---max-steps), in any mode and schedule. The GPT trains with the sharded scripts' text recipe
-(training.DATA_DEFAULTS: AdamW's betas 0.9 0.95, clipping at 1, a linear decay).
+A rerun with the same --output-dir resumes where the last stopped (mid-epoch too), any mode.
 """
 
 import copy
