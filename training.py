@@ -1,6 +1,7 @@
-"""What a training loop needs beside its strategy: the sharded scripts' shared flags,
-the learning-rate schedule and its fast-forward on resume, exact evaluation, gradient clipping
-over DTensors, and the loss and epoch lines (the epoch's record in metrics.jsonl)."""
+"""What a training loop needs beside its strategy: the sharded scripts' shared flags and text
+recipe, the learning-rate schedule and its fast-forward on resume, exact evaluation, gradient
+clipping over DTensors, the loss and epoch lines (the epoch's record in metrics.jsonl), and a
+pipeline's stage cut (FLOPs per layer, the cheapest slowest stage) and schedule by name."""
 
 import itertools
 import math
@@ -207,7 +208,7 @@ def end_epoch(metrics, record):
         append_metrics(metrics, record)
 
 
-# Pipelines (model_parallel.py; any script that pipelines): a schedule by name ------------------
+# Pipelines (model_parallel.py; any script that pipelines): the stage cut, a schedule by name --
 # --pipeline-schedule: torch.distributed.pipelining's class. Interleaved: V stages per process in
 # a loop (stage s on rank s mod P); zbv and dualpipev: 2 per process in a V.
 PIPELINE_SCHEDULES = {
