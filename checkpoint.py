@@ -153,7 +153,7 @@ def fill_initial(model, draw, init_from=None):
         set_model_state_dict(model, {name: draw(name)}, options=each)
 
 
-# Sharded checkpoints (the four sharded scripts): a torch.distributed.checkpoint directory of
+# Sharded checkpoints (the five sharded scripts): a torch.distributed.checkpoint directory of
 # every rank's pieces, plus meta.pt (step, RNG, flags) from rank 0. The scripts call DCP's save
 # and load; what is around them (finding, checking, publishing) is here.
 def find_sharded(output_dir):
@@ -239,10 +239,10 @@ def resume_step(args, optimizer, meta, path, batches, device):
     """After the pieces are loaded (if any: else 0): check that the schedule can go on, keep
     this run's optimizer settings (--lr, ...) beside the saved moments, and return the step to
     go on after. `batches`: this run's (global batch, steps per epoch)."""
-    if path is None or args.eval_only:
+    if path is None or getattr(args, "eval_only", False):
         return 0
     saved = meta["args"]
-    changed = [k for k in ("epochs", "warmup") if saved[k] != getattr(args, k)]
+    changed = [k for k in ("epochs", "warmup", "decay") if saved.get(k) != getattr(args, k)]
     if changed:  # the schedule is a function of these: it cannot go on where it was
         was = ", ".join(f"--{k} {saved[k]}" for k in changed)
         fail(f"{path} was trained with {was}; resume with the same, or start anew")

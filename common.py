@@ -22,7 +22,26 @@ def fail(message):
     raise SystemExit(f"error: {message}")
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """--help with each flag's default, where it has one its help does not already say."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors and defaults in --help; description: a docstring, of which
+    the first sentence is shown (a first line can stop mid-sentence)."""
+
+    def __init__(self, description=None, **kwargs):
+        if description:
+            paragraph = " ".join(description.strip().split("\n\n")[0].split())
+            description = re.split(r"(?<=[.!?])\s", paragraph, maxsplit=1)[0]
+        super().__init__(description=description, formatter_class=DefaultsFormatter, **kwargs)
+
     def error(self, message):  # one line, like every other error of these scripts
         fail(f"{message} (see --help)")
 

@@ -19,10 +19,10 @@ In every mode a step's gradients are the whole batch's mean, as on one device.
     python model_parallel.py --devices cuda:0,cuda:1 --microbatches 8   # mode 2 (1 without M)
     torchrun --standalone --nproc_per_node=2 model_parallel.py      # mode 3: 2 stages
     torchrun --standalone --nproc_per_node=2 model_parallel.py --data text --model gpt \\
-        --pipeline-schedule zbv                                     # the GPT, 4 stages in a V
+        --depth 4 --pipeline-schedule zbv                           # the GPT, 4 stages in a V
     torchrun --nnodes=2 --nproc_per_node=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
         --rdzv-id=myjob model_parallel.py                  # on every node: 4 stages, 1 per GPU
-A rerun with the same --output-dir resumes at the start of its epoch, any mode and schedule.
+A rerun with the same --output-dir resumes where the last stopped (mid-epoch too), any mode.
 """
 
 import copy
@@ -30,6 +30,7 @@ import itertools
 import re
 import time
 from collections import OrderedDict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -37,13 +38,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
-from torch.utils.flop_counter import FlopCounterMode
 
 from checkpoint import (
     append_metrics,
     check_output_dir,
     load_checkpoint,
     load_model_state,
+    resume_step,
+    rng_state,
     save_checkpoint,
     trim_metrics,
 )
@@ -59,13 +61,19 @@ from common import (
     together,
 )
 from data import DATASETS, TEXT, collate, load_datasets
-from models import GPT, keep_stage, param_groups
+from models import GPT, build_pipeline_cnn, keep_stage, param_groups
 from profiling import Profiler, add_flags, flop_rates, step_flops
 from training import (
+    DATA_DEFAULTS,
     PIPELINE_SCHEDULES,
     V_SHAPED,
+    balanced_split,
     check_pipeline_schedule,
-    fast_forward,
+    check_recipe,
+    clip_grad_norm,
+    fill_defaults,
+    gpt_costs,
+    layer_costs,
     pipeline_schedule,
     pipeline_stage_ids,
     warmup_decay,
@@ -73,7 +81,7 @@ from training import (
 
 
 def get_args(argv=None):
-    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__)
     add = p.add_argument
     add("--data", default="fashion-mnist", choices=[*DATASETS, TEXT], help="text: --model gpt")
     where = "images: torchvision's root (default data); text: a file or folder (default stdlib)"
@@ -81,20 +89,27 @@ def get_args(argv=None):
     add("--download", action="store_true", help="download the data set if it is missing")
     add("--model", default="cnn", choices=["cnn", "gpt"], help="gpt: models.GPT, on --data text")
     add("--seq-len", type=int, default=256, help="text: bytes per sample (the context)")
-    add("--dim", type=int, default=96, help="the GPT's width")
-    add("--heads", type=int, default=2, help="the GPT's attention heads")
-    add("--depth", type=int, default=4, help="the GPT's blocks")
+    add("--dim", type=int, help="the GPT's width (default 128)")
+    add("--heads", type=int, help="the GPT's attention heads (default 2)")
+    add("--depth", type=int, help="the GPT's blocks (default 2)")
     add("--epochs", type=int, help="passes over the training set (default 5; text: 1)")
-    add("--batch-size", type=int, help="samples per step, through every stage (128; text: 16)")
+    add("--batch-size", type=int, help="samples per step, all stages (default 128; text: 8)")
     add("--devices", help="stages in one process, e.g. cuda:0,cuda:1 (default: 2 GPUs, else CPU)")
     add("--microbatches", type=int, help="pieces per batch (default: 1; 8 under torchrun)")
     add("--pipeline-schedule", default="1f1b", choices=PIPELINE_SCHEDULES, help="mode 3's order")
     add("--stages-per-rank", type=int, help="mode 3: stages per process (interleaved, V: 2)")
-    peak = "peak rate per 256 samples of the batch (SGD 0.2; text: AdamW 0.1)"
+    peak = "peak rate per 256 samples of the batch (default SGD's 0.2; text: AdamW's 0.14)"
     add("--lr", type=float, help=peak)
     add("--momentum", type=float, default=0.9, help="SGD (Nesterov) momentum (the CNN)")
-    add("--weight-decay", type=float, help="SGD's L2 penalty 5e-4; text: AdamW's 0.05")
-    add("--warmup", type=float, default=0.2, help="fraction of all steps spent warming up")
+    add("--weight-decay", type=float, help="default SGD's L2 penalty 5e-4; text: AdamW's 0.05")
+    betas = "text: AdamW's moment decays (default 0.9 0.95, as GPT-3 and nanoGPT)"
+    add("--betas", type=float, nargs=2, metavar=("B1", "B2"), help=betas)
+    add("--clip-grad", type=float, help="max gradient norm; 0: no clipping (default 0; text: 1)")
+    add("--warmup", type=float, help="fraction of steps warming up (default 0.2; text: 0.1)")
+    decay = "the rate's decay to zero after warm-up (default cosine; text: linear)"
+    add("--decay", choices=["cosine", "linear"], help=decay)
+    add("--amp", default="none", choices=["none", "bf16"], help="bf16: compute and send in bf16")
+    add("--compile", action="store_true", help="torch.compile each block (layer) of each stage")
     add("--seed", type=int, default=0, help="seed for the weights and the shuffling")
     add("--max-steps", type=int, default=0, help="stop after this many steps; 0: no limit")
     add("--log-every", type=int, default=50, help="steps between progress and NaN checks")
@@ -104,21 +119,15 @@ def get_args(argv=None):
     add("--dist-timeout", type=float, default=300, help="seconds before a lost peer ends the job")
     add_flags(p)  # --profile DIR, --peak-tflops (profiling.py)
     args = p.parse_args(argv)
-    text = args.data == TEXT
-    defaults = dict(epochs=(5, 1), batch_size=(128, 16), lr=(0.2, 0.1), weight_decay=(5e-4, 0.05))
-    for name, (image, sequence) in defaults.items():  # the same defaults as training.py's
-        if getattr(args, name) is None:
-            setattr(args, name, sequence if text else image)
+    # The GPT: the text recipe of the sharded scripts (training.py); the CNN: SGD's own.
+    defaults = dict(DATA_DEFAULTS, batch_size=(128, 8), lr=(0.2, DATA_DEFAULTS["lr"][1]))
+    defaults.update(weight_decay=(5e-4, 0.05), warmup=(0.2, 0.1))
+    fill_defaults(args, defaults)
     at_least_1 = ("epochs", "batch_size", "microbatches", "stages_per_rank", "log_every")
     at_least_1 += ("seq_len", "dim", "heads", "depth")
     positive = ("lr", "momentum", "dist_timeout", "peak_tflops")  # momentum: in the checkpoint
-    check_flags(args, at_least_1, ("max_steps", "weight_decay"), positive)
-    if not 0 <= args.warmup < 1:
-        fail(f"--warmup is a fraction of the run, in [0, 1); got {args.warmup}")
-    if (args.model == "gpt") != text:
-        fail(f"--model {args.model} does not train on --data {args.data}: gpt reads text only")
-    if args.dim % args.heads:
-        fail(f"--dim {args.dim} is not a whole number of --heads {args.heads}")
+    check_flags(args, at_least_1, ("max_steps", "weight_decay", "clip_grad"), positive)
+    check_recipe(args)  # --betas, --warmup, --model against --data, --dim against --heads
     return args
 
 
@@ -134,54 +143,27 @@ def parse_devices(text, device_flag):
     return [torch.device(name) for name in names]
 
 
-def build_pipeline_cnn(in_channels, num_classes, widths=(32, 64, 128), hidden=128):
-    """A small CNN, unlike models.build_model's a flat nn.Sequential of 5 blocks that stages
-    are cut from. GroupNorm, not BatchNorm: per sample, so micro-batches change nothing. Stride
-    2, not max-pooling, whose ties flip with rounding. No in-place ReLU: a stage's input is a
-    received buffer autograd keeps."""
-    layers = []
-    for c, w in itertools.pairwise((in_channels, *widths)):
-        conv = nn.Conv2d(c, w, 3, stride=2, padding=1, bias=False)
-        layers.append(nn.Sequential(conv, nn.GroupNorm(8, w), nn.ReLU()))
-    head = [nn.AdaptiveAvgPool2d(3), nn.Flatten(), nn.Linear(widths[-1] * 9, hidden), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Sequential(*head), nn.Linear(hidden, num_classes))
-
-
-def layer_costs(layers, sample):
-    """Forward FLOPs per sample of each layer (convolutions and matmuls, which dominate)."""
-    costs = []
-    for layer in layers:
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            sample = layer(sample)
-        costs.append(max(1, counter.get_total_flops()))
-    return costs
-
-
-def gpt_costs(gpt, tokens):
-    """layer_costs of the GPT's blocks, the first with the embedding and positions, the last
-    with the final norm and the head: the units its stages are cut from."""
-    embed, head = gpt.embed, (lambda x: gpt.head(gpt.norm(x)))
-    first, *blocks, last = layer_costs([lambda x: embed(x) + gpt.pos, *gpt.blocks, head], tokens)
-    blocks[0], blocks[-1] = blocks[0] + first, blocks[-1] + last
-    return blocks
-
-
-def balanced_split(costs, stages):
-    """Cut the layers into `stages` runs whose most expensive one is as cheap as can be. Brute
-    force over every cut, a handful here; deterministic, so every rank agrees."""
-    prefix = [0, *itertools.accumulate(costs)]
-    cuts = itertools.combinations(range(1, len(costs)), stages - 1)
-    splits = [list(itertools.pairwise((0, *cut, len(costs)))) for cut in cuts]  # (first, end)s
-    return min(splits, key=lambda runs: max(prefix[b] - prefix[a] for a, b in runs))
-
-
-def make_stage(model, first, end):
-    """The layers [first, end) as a module of their own, shared with `model`. The OrderedDict
-    keeps the full model's names ("2.0.weight"): the stages' state dicts make the full one. The
-    GPT: a copy cut by models.keep_stage, in the whole GPT's names ("blocks.3.attn.q.weight")."""
-    if isinstance(model, GPT):
-        return keep_stage(copy.deepcopy(model), first, end)
-    return nn.Sequential(OrderedDict(itertools.islice(model.named_children(), first, end)))
+def make_stage(model, first, end, device, args):
+    """The layers [first, end) on `device`, as a module of their own, shared with `model`. The
+    OrderedDict keeps the full model's names ("2.0.weight"): the stages' state dicts make the
+    full one. The GPT: a copy cut by models.keep_stage, in its names ("blocks.3.attn.q.weight").
+    --compile: each block (layer) compiled on its own, as torchtitan does, so the stage stays a
+    module the pipeline drives. --amp bf16: what crosses to the next stage (activations, and
+    their gradients back) in bf16, half the bytes; fp32 again in the next stage's residuals."""
+    gpt = isinstance(model, GPT)
+    if gpt:
+        stage = keep_stage(copy.deepcopy(model), first, end)
+    else:
+        stage = nn.Sequential(OrderedDict(itertools.islice(model.named_children(), first, end)))
+    for unit in (stage.blocks if gpt else stage) if args.compile else ():
+        if unit is not None:  # a block of another stage (keep_stage)
+            unit.compile()
+    if args.amp == "bf16":
+        if first > 0:  # what it receives, in fp32 again
+            stage.register_forward_pre_hook(lambda _, inputs: (inputs[0].float(),))
+        if end < len(model.blocks if gpt else model):  # what it sends
+            stage.register_forward_hook(lambda _, __, out: out.bfloat16())
+    return stage.to(device)
 
 
 def loss_fn(logits, labels):
@@ -254,8 +236,8 @@ def train(args, info):
     n_stages = world * per_rank if per_process else len(devices)
 
     # Every rank builds the WHOLE model with the same seed: the one-process run's weights, cut
-    # into its stages below. (A model too large for a host would be built on the "meta"
-    # device, each stage made alone.)
+    # into its stages below, then dropped. (A model too large for a host would be built on the
+    # "meta" device, each stage made alone.)
     torch.manual_seed(args.seed)
     data = load_datasets(
         args.data, args.data_dir, args.download, None, info.local_rank, args.seq_len
@@ -276,6 +258,7 @@ def train(args, info):
     if units == "blocks" and len(costs) % n_stages:  # refused, though the FLOP cut would run
         fail(f"{n_stages} stages do not divide the GPT's {len(costs)} blocks (--depth)")
     split = balanced_split(costs, n_stages)
+    names = list(model.state_dict())  # the unsplit model's order, for the checkpoint
     # Which process holds which stage (mode 3): rank 0 the first; the last, the loss.
     owner = {
         s: r for r in range(world) for s in pipeline_stage_ids(schedule_name, r, world, per_rank)
@@ -293,15 +276,17 @@ def train(args, info):
     if ckpt and "optimizer" not in ckpt:  # every rank has the checkpoint: all stop here
         fail(f"{path} holds no optimizer state to resume from; use another --output-dir")
     if ckpt:  # the whole model's weights, before it is cut: any split, any schedule
-        load_model_state(model, ckpt["model"], path)
+        load_model_state(model, ckpt.pop("model"), path)
 
+    amp = partial(torch.autocast, devices[-1].type, torch.bfloat16, enabled=args.amp == "bf16")
     if per_process:
         # Imported here: modes 1 and 2 run on any PyTorch. The schedule cuts each batch into M
         # micro-batches, takes each one's mean loss and divides the summed gradients by M.
         from torch.distributed.pipelining import PipelineStage
 
         ids = pipeline_stage_ids(schedule_name, rank, world, per_rank)
-        modules = [make_stage(model, *split[s]).to(device) for s in ids]  # all this trains
+        modules = [make_stage(model, *split[s], device, args) for s in ids]  # all this trains
+        del model  # the stages hold what this process trains: not the rest of the model
         stages = [PipelineStage(m, s, n_stages, device) for m, s in zip(modules, ids, strict=True)]
         profiler.watch_pipeline(stages)  # "stage1 forward mb3" in a trace, activations counted
         schedule = pipeline_schedule(schedule_name, stages, micro, loss_fn)
@@ -309,16 +294,17 @@ def train(args, info):
         def run_batch(inputs, labels, training):
             # The first stage's rank feeds the inputs, the last stage's the labels and gets the
             # logits (the others None).
-            inputs = (inputs.to(device),) if 0 in ids else ()
-            target, losses = (labels.to(device) if rank == last else None), []
-            if training or schedule_name not in V_SHAPED:
-                run = schedule.step if training else schedule.eval
-                logits = run(*inputs, target=target, losses=losses)
-            else:  # PyTorch's eval() stops in a V's backward actions (2.14): a step, ungraded
-                with torch.enable_grad():
-                    logits = schedule.step(*inputs, target=target, losses=losses)
-                for module in modules:
-                    module.zero_grad(set_to_none=True)
+            inputs = (inputs.to(device, non_blocking=True),) if 0 in ids else ()
+            target, losses = (labels.to(device, non_blocking=True) if rank == last else None), []
+            with amp():
+                if training or schedule_name not in V_SHAPED:
+                    run = schedule.step if training else schedule.eval
+                    logits = run(*inputs, target=target, losses=losses)
+                else:  # PyTorch's eval() stops in a V's backward actions (2.14): a step, ungraded
+                    with torch.enable_grad():
+                        logits = schedule.step(*inputs, target=target, losses=losses)
+                    for module in modules:
+                        module.zero_grad(set_to_none=True)
             if not training or rank != last:
                 return logits if rank == last else None
             return torch.stack(losses).detach().mean()  # equal micro-batches: the batch's mean
@@ -326,10 +312,12 @@ def train(args, info):
         # Each stage's layers on its device, in the whole model's names: one optimizer, and one
         # state dict in the unsplit model's names.
         pairs = zip(split, devices, strict=True)
-        modules = [make_stage(model, a, b).to(d) for (a, b), d in pairs]
+        modules = [make_stage(model, a, b, d, args) for (a, b), d in pairs]
+        del model  # the stages hold it all, on their devices
 
         def run_batch(inputs, labels, training):
-            logits = pipeline_forward(modules, devices, inputs, micro)
+            with amp():
+                logits = pipeline_forward(modules, devices, inputs, micro)
             if not training:
                 return logits
             # The whole batch's mean loss: the unsplit model's gradients, whatever --microbatches.
@@ -351,19 +339,22 @@ def train(args, info):
     # so the optimizers take together the step of one optimizer over the whole model.
     params = {n: p for m in modules for n, p in m.named_parameters()}  # the unsplit names
     if args.model == "gpt":  # AdamW, no decay on biases, norms, the embedding or positions
-        optimizer = torch.optim.AdamW(param_groups(nn.ModuleList(modules), args.weight_decay), peak)
+        # Fused: one kernel for all parameters, as nanoGPT and torchtitan on CUDA; on the CPU
+        # too, where it is several times faster than foreach (measured at this width).
+        groups = param_groups(nn.ModuleList(modules), args.weight_decay)
+        optimizer = torch.optim.AdamW(groups, peak, betas=args.betas, fused=True)
     else:
         wd, momentum = args.weight_decay, args.momentum
         optimizer = torch.optim.SGD(params.values(), peak, momentum, weight_decay=wd, nesterov=True)
-    if ckpt:  # each parameter's optimizer state by its unsplit name (AdamW's step on the CPU)
+    if ckpt:  # each parameter's optimizer state by its unsplit name (fused AdamW: its step too)
         for name, param in params.items():
             saved = ckpt["optimizer"][name].items()
-            optimizer.state[param] = {k: v if k == "step" else v.to(param.device) for k, v in saved}
-        print0(f"resumed from {path} at epoch {ckpt['epoch']} of {args.epochs}")
-    step = ckpt["epoch"] * steps_per_epoch if ckpt else 0
-    # Linear warm-up, then cosine decay to zero; a function of the step, so a resume moves it on.
-    scheduler = warmup_decay(optimizer, args.warmup, total_steps)
-    fast_forward(scheduler, step)
+            optimizer.state[param] = {k: v.to(param.device) for k, v in saved}
+    # The step to go on after (mid-epoch too), the schedule's flags checked; 0 without one.
+    batches = (args.batch_size, steps_per_epoch)
+    step = resume_step(args, optimizer, ckpt, path, batches, devices[0]) if ckpt else 0
+    # Linear warm-up, then --decay to zero; a function of the step, so a resume moves it on.
+    scheduler = warmup_decay(optimizer, args.warmup, total_steps, step, args.decay)
     if out:
         trim_metrics(out / "metrics.jsonl", step // steps_per_epoch)  # each epoch appears once
 
@@ -384,16 +375,21 @@ def train(args, info):
             module.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=devices[-1])  # the last stage's
         t0, done = time.perf_counter(), 0
-        for inputs, labels in train_loader:
+        # A mid-epoch resume skips the batches done: the order is a function of the epoch.
+        for inputs, labels in itertools.islice(train_loader, step % steps_per_epoch, None):
             lr = scheduler.get_last_lr()[0]  # this step's rate
             loss = run_batch(inputs, labels, training=True)  # forward and backward
+            if args.clip_grad and per_process:  # the whole model's norm: each stage's share
+                clip_grad_norm(params.values(), args.clip_grad, dist.group.WORLD)  # all ranks
+            elif args.clip_grad:  # one process: its stages may be on several devices
+                nn.utils.clip_grad_norm_(params.values(), args.clip_grad)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             step, done = step + 1, done + 1
             if loss is not None:  # the batch's mean loss, where the last stage is
                 loss_sum += loss
-            end = done == steps_per_epoch or step == args.max_steps
+            end = step % steps_per_epoch == 0 or step == args.max_steps
             profiler.step(end)  # an evaluation comes next: no training step
             if step % args.log_every == 0 or end:
                 # The loss lives on the last stage: it sends its sum (all ranks participate), so
@@ -429,8 +425,10 @@ def train(args, info):
                 dist.gather_object(part, parts, dst=0)
             if out:  # global rank 0; the keys in the unsplit model's order
                 state = {key: {k: v for p in parts for k, v in p[key].items()} for key in part}
-                state["model"] = {k: state["model"][k] for k in model.state_dict()}
+                state["model"] = {k: state["model"][k] for k in names}
                 state.update(epoch=step // steps_per_epoch, step=step, args=vars(args))
+                state.update(steps_per_epoch=steps_per_epoch, global_batch=args.batch_size)
+                state.update(rng=rng_state(devices[0]))  # what resume_step reads (nothing drawn)
                 save_checkpoint(state, out / "checkpoint.pt")
                 append_metrics(out / "metrics.jsonl", record)  # after it: every line has weights
     profiler.stop()

@@ -364,3 +364,16 @@ def build_model(
     if name == "mlp":  # its first layer's shape depends on the image size
         return MLP(in_channels, num_classes, size=image_size)
     return MODELS[name](in_channels, num_classes)
+
+
+def build_pipeline_cnn(in_channels, num_classes, widths=(32, 64, 128), hidden=128):
+    """model_parallel.py's small CNN, unlike build_model's a flat nn.Sequential of 5 blocks
+    that stages are cut from. GroupNorm, not BatchNorm: per sample, so micro-batches change
+    nothing. Stride 2, not max-pooling, whose ties flip with rounding. No in-place ReLU: a
+    stage's input is a received buffer autograd keeps."""
+    layers = []
+    for c, w in zip((in_channels, *widths[:-1]), widths, strict=True):
+        conv = nn.Conv2d(c, w, 3, stride=2, padding=1, bias=False)
+        layers.append(nn.Sequential(conv, nn.GroupNorm(8, w), nn.ReLU()))
+    head = [nn.AdaptiveAvgPool2d(3), nn.Flatten(), nn.Linear(widths[-1] * 9, hidden), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Sequential(*head), nn.Linear(hidden, num_classes))

@@ -1,7 +1,9 @@
-"""What a training loop needs beside its strategy: the sharded scripts' shared flags,
-the learning-rate schedule and its fast-forward on resume, exact evaluation, gradient clipping
-over DTensors, and the loss and epoch lines (the epoch's record in metrics.jsonl)."""
+"""What a training loop needs beside its strategy: the sharded scripts' shared flags and text
+recipe, the learning-rate schedule and its fast-forward on resume, exact evaluation, gradient
+clipping over DTensors, the loss and epoch lines (the epoch's record in metrics.jsonl), and a
+pipeline's stage cut (FLOPs per layer, the cheapest slowest stage) and schedule by name."""
 
+import itertools
 import math
 import warnings
 
@@ -9,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.utils.flop_counter import FlopCounterMode
 
 from checkpoint import append_metrics
 from common import ArgumentParser, check_flags, fail, print0, reduce_value
@@ -18,9 +21,10 @@ from profiling import add_flags
 
 
 def sharded_parser(doc):
-    """The flags of the sharded scripts (fsdp_train.py, tensor_parallel.py, context_parallel.py,
-    expert_parallel.py), said once so that each means the same in all four; each adds its own."""
-    p = ArgumentParser(description=doc.splitlines()[0])
+    """The flags of the five sharded scripts (fsdp_train.py, tensor_parallel.py,
+    context_parallel.py, expert_parallel.py, nd_parallel.py), said once so that each means the
+    same in all five; each adds its own."""
+    p = ArgumentParser(description=doc)
     add = p.add_argument
     add("--data", default="fashion-mnist", choices=[*DATASETS, TEXT], help="data set")
     where = "images: torchvision's root (default data); text: a file or folder (default stdlib)"
@@ -58,6 +62,32 @@ def sharded_parser(doc):
     return p
 
 
+# The defaults that depend on the data, (images, text). The text column is the recipe of every
+# script that trains the GPT (GPT-3's betas, GPT-2's clipping, a linear decay, 2 wide blocks).
+DATA_DEFAULTS = dict(epochs=(5, 1), lr=(3e-3, 0.14), betas=((0.9, 0.999), (0.9, 0.95)))
+DATA_DEFAULTS.update(decay=("cosine", "linear"), clip_grad=(0.0, 1.0))
+DATA_DEFAULTS.update(dim=(96, 128), depth=(4, 2), heads=(4, 2))
+
+
+def fill_defaults(args, defaults):
+    """Each flag left None set to its default, {name: (images, text)}, by --data."""
+    for name, (image, sequence) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, sequence if args.data == TEXT else image)
+
+
+def check_recipe(args):
+    """The bounds check_flags cannot say, of every script that takes these flags."""
+    if not all(0 <= b < 1 for b in args.betas):
+        fail(f"--betas are decays, each in [0, 1); got {' '.join(map(str, args.betas))}")
+    if not 0 <= args.warmup < 1:
+        fail(f"--warmup is a fraction of the run, in [0, 1); got {args.warmup}")
+    if (args.model == "gpt") != (args.data == TEXT):  # a language model reads text, others images
+        fail(f"--model {args.model} does not train on --data {args.data}: gpt reads text only")
+    if args.dim % args.heads:
+        fail(f"--dim {args.dim} is not a whole number of --heads {args.heads}")
+
+
 def sharded_args(args, at_least_1=(), not_negative=(), positive=(), batch=(128, 8)):
     """check_flags for a sharded script's flags, the shared ones' bounds added; the defaults
     that depend on the data filled in, (images, text), for --epochs, --lr, --betas, --decay,
@@ -65,28 +95,15 @@ def sharded_args(args, at_least_1=(), not_negative=(), positive=(), batch=(128, 
     bytes, an image one of 16 patches; the text defaults (GPT-3's betas, GPT-2's clipping, a
     linear decay, 2 wide blocks, small steps: benchmarks/results.md) train the GPT to about
     1.38 nats per byte in a few minutes on 2 CPU cores (README, Results)."""
-    text = args.data == TEXT
-    defaults = dict(epochs=(5, 1), lr=(3e-3, 0.14), betas=((0.9, 0.999), (0.9, 0.95)))
-    defaults.update(decay=("cosine", "linear"), clip_grad=(0.0, 1.0), batch_size=batch)
-    defaults.update(dim=(96, 128), depth=(4, 2), heads=(4, 2))
-    for name, (image, sequence) in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, sequence if text else image)
+    fill_defaults(args, dict(DATA_DEFAULTS, batch_size=batch))
     shape = ("seq_len", "dim", "heads", "depth")
     at_least_1 = ("epochs", "batch_size", "log_every", *shape, *at_least_1)
     not_negative = ("max_steps", "clip_grad", *not_negative)
     positive = ("lr", "dist_timeout", "peak_tflops", *positive)
     check_flags(args, at_least_1, not_negative, positive)
-    if not all(0 <= b < 1 for b in args.betas):
-        fail(f"--betas are decays, each in [0, 1); got {' '.join(map(str, args.betas))}")
-    if not 0 <= args.warmup < 1:
-        fail(f"--warmup is a fraction of the run, in [0, 1); got {args.warmup}")
     if args.eval_only and not args.resume:
         fail("--eval-only needs --resume DIR (the checkpoint to evaluate)")
-    if (args.model == "gpt") != text:  # a language model reads text; the others, images
-        fail(f"--model {args.model} does not train on --data {args.data}: gpt reads text only")
-    if hasattr(args, "heads") and args.dim % args.heads:
-        fail(f"--dim {args.dim} is not a whole number of --heads {args.heads}")
+    check_recipe(args)
     Attention.kernels = args.sdpa_backend  # every models.Attention of this process
     return args
 
@@ -195,7 +212,7 @@ def end_epoch(metrics, record):
         append_metrics(metrics, record)
 
 
-# Pipelines (model_parallel.py; any script that pipelines): a schedule by name ------------------
+# Pipelines (model_parallel.py; any script that pipelines): the stage cut, a schedule by name --
 # --pipeline-schedule: torch.distributed.pipelining's class. Interleaved: V stages per process in
 # a loop (stage s on rank s mod P); zbv and dualpipev: 2 per process in a V.
 PIPELINE_SCHEDULES = {
@@ -207,6 +224,50 @@ PIPELINE_SCHEDULES = {
     "dualpipev": "ScheduleDualPipeV",  # DeepSeek's DualPipe in a V
 }
 V_SHAPED = ("zbv", "dualpipev")
+
+
+def layer_costs(layers, sample):
+    """Forward FLOPs per sample of each layer (convolutions and matmuls, which dominate)."""
+    costs = []
+    for layer in layers:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            sample = layer(sample)
+        costs.append(max(1, counter.get_total_flops()))
+    return costs
+
+
+def gpt_costs(gpt, tokens):
+    """layer_costs of a models.GPT's blocks, the first with the embedding and positions, the
+    last with the final norm and the head: the units its stages are cut from."""
+    embed, head = gpt.embed, (lambda x: gpt.head(gpt.norm(x)))
+    first, *blocks, last = layer_costs([lambda x: embed(x) + gpt.pos, *gpt.blocks, head], tokens)
+    blocks[0], blocks[-1] = blocks[0] + first, blocks[-1] + last
+    return blocks
+
+
+def balanced_split(costs, stages):
+    """Cut the layers into `stages` runs, (first, end)s, whose most expensive one is as cheap as
+    can be (the slowest stage sets the pace): a dynamic program over prefix sums, stages x
+    layers² steps. Of equally good cuts, each as early as it can be; deterministic, so every
+    rank agrees."""
+    n, prefix = len(costs), [0, *itertools.accumulate(costs)]
+
+    def run(a, b, k):  # [a, b) as one stage, then the best k stages of [b, n)
+        return max(prefix[b] - prefix[a], best[k][b])
+
+    # best[k][a]: the slowest stage's cost at its cheapest, layers [a, n) cut into k stages.
+    best = [[0 if a == n else math.inf for a in range(n + 1)]]
+    for k in range(1, stages):
+        best.append(
+            [
+                min((run(a, b, k - 1) for b in range(a + 1, n + 1)), default=math.inf)
+                for a in range(n + 1)
+            ]
+        )
+    slowest, cuts = min(run(0, b, stages - 1) for b in range(1, n + 1)), [0]
+    for k in range(stages - 1, -1, -1):  # each cut the first that still reaches `slowest`
+        cuts.append(next(b for b in range(cuts[-1] + 1, n + 1) if run(cuts[-1], b, k) <= slowest))
+    return list(itertools.pairwise(cuts))
 
 
 def pipeline_stage_ids(schedule, rank, processes, per_rank):

@@ -6,7 +6,8 @@ losses this rank's last stage took (one per micro-batch; None on other ranks) an
 gradient this rank steps, by the whole model's names, as the optimizer is about to step; the
 weights and AdamW moments as the first step finds them (a resumed run's: those it loaded); and
 each of this rank's stages' activations held for backward (profiling.StageActivations: peak and
-one micro-batch's bytes; mode 3 only)."""
+one micro-batch's bytes; mode 3 only). A SCHEDULE written NAME+K runs NAME stopped by
+--max-steps K, then again in the same --output-dir (REPORTS/NAME+K): a resume after step K."""
 
 import os
 import sys
@@ -97,9 +98,19 @@ for schedule in schedules:
         if meters:
             meters[-1].stop()
             seen["activations"] = meters.pop().peaks()
-        torch.save(dict(seen), os.path.join(reports, f"{schedule}.rank{rank}.pt"))
+        compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # --compile's graphs
+        torch.save(
+            dict(seen, compiled=compiled), os.path.join(reports, f"{schedule}.rank{rank}.pt")
+        )
 
     model_parallel.cleanup = report
-    flags = [] if schedule == "one" else ["--pipeline-schedule", schedule]
-    model_parallel.main([*argv, *flags, "--output-dir", os.path.join(reports, schedule)])
+    name, *stop = schedule.split("+")
+    flags = [] if name == "one" else ["--pipeline-schedule", name]
+    flags += ["--output-dir", os.path.join(reports, schedule)]
+    if stop:  # the run stopped after step K, whose checkpoint the next one resumes from
+        model_parallel.cleanup = lambda: meters and meters.pop().stop()  # nothing reported
+        model_parallel.main([*argv, *flags, "--max-steps", stop[0]])
+        model_parallel.cleanup = report
+        seen.update(losses=[], grads=[], activations=None)
+    model_parallel.main([*argv, *flags])
 real_cleanup()

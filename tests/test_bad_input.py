@@ -3,6 +3,7 @@ written to the output directory. A few cases run as real processes (what a user 
 the terminal); the rest call main() here, where SystemExit carries the same message."""
 
 import argparse
+import importlib
 import random
 
 import pytest
@@ -290,3 +291,35 @@ def test_sharded_scripts_refuse_what_requirements_refuse(no_launcher, tmp_path, 
         patch.setattr(torch, "__version__", "2.10.0")  # on to the next check: no checkpoint
         line = fails(module.main, [*cheap, "--eval-only", "--resume", str(out)])
     assert "does not exist" in line
+
+
+# ----------------------------------------------------------------------------------------
+# --help
+
+SCRIPTS = ["dp_train", "ddp_train", "ddp_mp_spawn", "ddp_comm", "fsdp_train", "tensor_parallel"]
+SCRIPTS += ["context_parallel", "expert_parallel", "model_parallel", "nd_parallel", "finetune"]
+SCRIPTS += ["quantize"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_shows_every_default_and_a_whole_sentence(no_launcher, monkeypatch, capsys, script):
+    """--help (common.ArgumentParser): each flag with a default says it, and the description
+    is the docstring's first sentence whole, not its first line cut mid-sentence."""
+    module = importlib.import_module(script)
+    parsers = []
+    real_help = argparse.ArgumentParser.format_help
+    monkeypatch.setattr(
+        argparse.ArgumentParser, "format_help", lambda p: parsers.append(p) or real_help(p)
+    )
+    with pytest.raises(SystemExit) as excinfo:
+        module.get_args(["--help"])
+    assert excinfo.value.code == 0
+    [parser], text = parsers, capsys.readouterr().out
+    described = " ".join(parser.description.split())
+    assert described.endswith(".") and described in " ".join(module.__doc__.split()), described
+    for action in parser._actions:
+        if action.default not in (None, False, argparse.SUPPRESS):
+            shown = parser._get_formatter()._expand_help(action)
+            assert "default" in shown, (action.option_strings, shown)
+            assert str(action.default) in shown or "default " in shown, (action.dest, shown)
+    assert "(default: " in text

@@ -11,10 +11,14 @@ no BatchNorm (whose statistics would depend on the micro-batch).
 
 import argparse
 import copy
+import gc
+import itertools
+import random
 import re
 import shutil
 import time
 import types
+import weakref
 from pathlib import Path
 
 import pytest
@@ -120,7 +124,8 @@ def split_model(model, devices):
     costs = model_parallel.layer_costs(model, torch.zeros(1, 1, 28, 28))
     cuts = model_parallel.balanced_split(costs, len(devices))
     pairs = zip(cuts, devices, strict=True)
-    return [model_parallel.make_stage(model, a, b).to(d) for (a, b), d in pairs]
+    plain = types.SimpleNamespace(compile=False, amp="none")  # neither --compile nor --amp
+    return [model_parallel.make_stage(model, a, b, d, plain) for (a, b), d in pairs]
 
 
 @pytest.mark.parametrize("stages, microbatches", [(2, 1), (3, 4)])
@@ -143,6 +148,23 @@ def test_split_matches_unsplit_model(stages, microbatches):
     for optimizer in optimizers:
         optimizer.step()
     assert_state_close(split.state_dict(), reference.state_dict(), atol=ATOL)
+
+
+def test_amp_sends_bf16_between_stages():
+    """--amp bf16: a stage sends its activations in bf16 (half the bytes), the next takes them
+    back to fp32 for its residual stream; the logits are the unsplit model's under autocast."""
+    torch.manual_seed(0)
+    model, cpu = models.GPT(256, 16, 32, 2, 2), torch.device("cpu")
+    amp = types.SimpleNamespace(compile=False, amp="bf16")
+    first, second = (model_parallel.make_stage(model, a, a + 1, cpu, amp) for a in (0, 1))
+    received = []
+    second.blocks[1].register_forward_pre_hook(lambda _, xs: received.append(xs[0].dtype))
+    tokens = torch.randint(0, 256, (2, 16))
+    with torch.autocast("cpu", torch.bfloat16):
+        sent = first(tokens)
+        logits, whole = second(sent), model(tokens)
+    assert sent.dtype == torch.bfloat16 and received == [torch.float32]
+    assert torch.allclose(logits.float(), whole.float(), atol=0.05)
 
 
 def test_microbatches_form_a_wavefront():
@@ -246,7 +268,7 @@ def resume_runs(tmp_path_factory):
 
 
 def check_resumed(out, full, proc, atol):
-    assert "resumed from" in proc.stdout and "at epoch 1 of 2" in proc.stdout
+    assert "resumed from" in proc.stdout and "at epoch 1, step 0 of 7" in proc.stdout
     expected, resumed = load_ckpt(full), load_ckpt(out)
     assert (resumed["epoch"], resumed["step"]) == (expected["epoch"], expected["step"]) == (2, 14)
     assert_state_close(resumed["model"], expected["model"], atol=atol)
@@ -280,6 +302,88 @@ def test_resume_one_process_checkpoint_under_torchrun(resume_runs, tmp_path):
     # Rounding differs between processes and grows with every step (~1e-7 here); a resume that
     # lost the momentum is off by 1e-2, one that misplaced a stage's weights by more.
     check_resumed(out, full, proc, atol=1e-4)
+
+
+def test_gpt_takes_the_sharded_scripts_text_recipe():
+    """--data text: the text defaults of fsdp_train.py and the other sharded scripts."""
+    import fsdp_train
+
+    text = ["--data", "text", "--model", "gpt"]
+    mine, theirs = model_parallel.get_args(text), fsdp_train.get_args(text)
+    recipe = ("epochs", "lr", "betas", "decay", "clip_grad", "warmup", "weight_decay")
+    for name in (*recipe, "dim", "depth", "heads", "seq_len"):
+        assert getattr(mine, name) == getattr(theirs, name), name
+    assert (mine.betas, mine.decay, mine.clip_grad, mine.dim, mine.depth) == (
+        (0.9, 0.95),
+        "linear",
+        1.0,
+        128,
+        2,
+    )
+
+
+def test_resume_after_max_steps_mid_epoch_ends_where_a_straight_run_ends(
+    no_launcher, monkeypatch, tmp_path, small_text
+):
+    """Stopped by --max-steps after step 2 of an epoch of 29 and rerun to step 4: the epoch's
+    batches done are skipped and the schedule goes on, so the checkpoint is bit for bit the
+    one of 4 steps straight (weights and AdamW's moments and step count); micro-batched on 2
+    stages in this process (mode 3's schedules: test_gpt_every_schedule_*'s resumed runs).
+    The straight run steps with the text recipe: AdamW's betas 0.9 0.95, the gradients
+    clipped to a norm of 1, the rate falling in a straight line after 2 steps of warm-up; and
+    the whole GPT built to be cut is gone by then (the stages hold copies of their blocks).
+    Then a resume with another --decay (the linear default saved) stops in one line, nothing
+    trained or written."""
+    flags = [*text_flags(small_text), "--dim", "32", "--heads", "2", "--depth", "2"]
+    flags += ["--batch-size", "16", "--devices", "cpu,cpu", "--microbatches", "4"]
+    straight, out = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    seen, adamw, built = [], torch.optim.AdamW, []
+
+    class GPT(models.GPT):  # deep copies (the stages) are not built: only the whole model is
+        def __init__(self, *args):
+            super().__init__(*args)
+            built.append(weakref.ref(self))
+
+    def instrumented(*args, **kwargs):
+        optimizer = adamw(*args, **kwargs)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+
+        def before_step(*_):
+            gc.collect()
+            assert len(built) == 1 and built[0]() is None  # nothing holds the whole GPT
+            norm = torch.stack([p.grad.norm() for p in params]).norm().item()
+            [betas] = {g["betas"] for g in optimizer.param_groups}
+            seen.append((optimizer.param_groups[0]["lr"], norm, betas, optimizer.defaults["fused"]))
+
+        optimizer.register_step_pre_hook(before_step)
+        return optimizer
+
+    monkeypatch.setattr(torch.optim, "AdamW", instrumented)
+    monkeypatch.setattr(model_parallel, "GPT", GPT)
+    model_parallel.main([*flags, "--max-steps", "4", "--output-dir", straight])
+    monkeypatch.undo()
+    rates, norms, betas, fused = zip(*seen, strict=True)
+    assert set(betas) == {(0.9, 0.95)} and set(fused) == {True}
+    assert all(n <= 1 + 1e-5 for n in norms) and max(n for n in norms) > 0.99  # clipped at 1
+    peak = 0.14 * 16 / 256  # --lr per 256 samples
+    want = [peak / 2, peak, peak, peak * (1 - 1 / 27)]  # warm-up: int(0.1 x 29) steps
+    assert rates == pytest.approx(want, rel=1e-9), rates
+    model_parallel.main([*flags, "--max-steps", "2", "--output-dir", out])
+    model_parallel.main([*flags, "--max-steps", "4", "--output-dir", out])
+    want, got = load_ckpt(straight), load_ckpt(out)
+    assert (got["step"], got["epoch"], got["steps_per_epoch"]) == (4, 0, 29)
+    assert want["model"].keys() == got["model"].keys()
+    assert all(torch.equal(v, got["model"][k]) for k, v in want["model"].items())
+    for name, state in want["optimizer"].items():
+        assert all(torch.equal(v, got["optimizer"][name][k]) for k, v in state.items()), name
+    assert [m["step"] for m in read_metrics(out)] == [4]  # the epoch's line once
+    before = {p.name: p.read_bytes() for p in Path(out).iterdir()}
+    with pytest.raises(SystemExit) as excinfo:
+        model_parallel.main([*flags, "--max-steps", "6", "--decay", "cosine", "--output-dir", out])
+    message = excinfo.value.code
+    assert message.startswith("error: ") and "\n" not in message
+    assert "was trained with --decay linear; resume with the same" in message
+    assert {p.name: p.read_bytes() for p in Path(out).iterdir()} == before
 
 
 @pytest.mark.slow
@@ -321,10 +425,29 @@ def test_unwritable_output_dir_stops_every_rank_with_the_cause(tmp_path):
     assert errors[0].startswith(f"error: output directory {tmp_path / 'file' / 'out'} is not")
 
 
+def every_cut(costs, stages):
+    """The cut by brute force: every one tried (C(layers - 1, stages - 1) of them), the first
+    (in itertools.combinations' order) of those whose slowest stage is cheapest."""
+    prefix = [0, *itertools.accumulate(costs)]
+    cuts = itertools.combinations(range(1, len(costs)), stages - 1)
+    splits = [list(itertools.pairwise((0, *cut, len(costs)))) for cut in cuts]
+    return min(splits, key=lambda runs: max(prefix[b] - prefix[a] for a, b in runs))
+
+
 def test_balanced_split():
     # The slowest stage sets the pace: the cuts minimise the most expensive stage.
     assert model_parallel.balanced_split([1, 5, 5, 1, 1], 2) == [(0, 2), (2, 5)]
     assert model_parallel.balanced_split([1, 1, 1], 3) == [(0, 1), (1, 2), (2, 3)]
+    # The dynamic program makes brute force's cut, ties (equal costs) and floats included.
+    rng = random.Random(0)
+    for _ in range(500):
+        costs = [rng.choice([1, 2, 3, 0.1, 1e6, rng.random()]) for _ in range(rng.randint(1, 9))]
+        stages = rng.randint(1, len(costs))
+        assert training.balanced_split(costs, stages) == every_cut(costs, stages), (costs, stages)
+    # 96 blocks in 8 stages: 1.1e10 cuts by brute force, here at once, each stage 12 blocks.
+    start = time.perf_counter()
+    split = training.balanced_split([1] * 96, 8)
+    assert time.perf_counter() - start < 2 and split == [(a, a + 12) for a in range(0, 96, 12)]
 
 
 def docstring_launches():
@@ -492,13 +615,23 @@ GPT_ARGS += ["--lr", "0.05", "--max-steps", "3", "--microbatches", "8", *DIST_TI
 SCHEDULES = list(training.PIPELINE_SCHEDULES)
 
 
-def gpt_probe(tmp_path, corpus, nproc, schedules):
+def gpt_probe(tmp_path, corpus, nproc, schedules, resumed=(), flags=()):
     """pp_probe.py's reports {schedule: (per-step losses, per-step gradients by name, output
     directory, {stage: its activations' peak and one micro-batch's bytes})}: one process
-    (schedules ["one"], the unsplit GPT) or nproc, every schedule in turn in the same processes."""
-    argv = ["tests/pp_probe.py", tmp_path, ",".join(schedules), "--", *text_flags(corpus)]
-    argv += [*GPT_ARGS, *(["--devices", "cpu"] if nproc == 1 else [])]
+    (schedules ["one"], the unsplit GPT) or nproc, every schedule in turn in the same processes.
+    Then each of `resumed` stopped after step 1 and run again: its checkpoint after step 3 is
+    bit for bit its straight run's (the epoch's batches done skipped, the schedule going on)."""
+    again = [f"{name}+1" for name in resumed]
+    argv = ["tests/pp_probe.py", tmp_path, ",".join([*schedules, *again]), "--"]
+    argv += [*text_flags(corpus), *GPT_ARGS, *(["--devices", "cpu"] if nproc == 1 else []), *flags]
     run_python(argv) if nproc == 1 else torchrun_workers(nproc, argv, timeout=400)
+    for name in resumed:
+        want, got = load_ckpt(tmp_path / name), load_ckpt(tmp_path / f"{name}+1")
+        assert got["step"] == want["step"] == 3 and want["steps_per_epoch"] > 3, name
+        for key in ("model", "optimizer"):
+            flat = [torch.utils._pytree.tree_flatten(c[key]) for c in (want, got)]
+            assert flat[0][1] == flat[1][1], (name, key)  # the same names and layout
+            assert all(map(torch.equal, flat[0][0], flat[1][0])), (name, key)
     reports = {}
     for name in schedules:
         ranks = [torch.load(tmp_path / f"{name}.rank{r}.pt") for r in range(nproc)]
@@ -579,8 +712,10 @@ def test_gpt_every_schedule_on_two_processes_takes_one_process_steps(
     gpt_one, tmp_path, small_text, schedules
 ):
     """Every schedule on 2 processes (interleaved, V: 4 stages), in two launches: each step's
-    loss, every gradient, the test loss and its exact evaluation are one process's."""
-    check_schedules(gpt_probe(tmp_path, small_text, 2, schedules), gpt_one, small_text)
+    loss, every gradient, the test loss and its exact evaluation are one process's. Resumed
+    after step 1 (mid-epoch), bit for bit a straight run: ZBV, and in the slow launch each."""
+    resumed = ["zbv"] if "zbv" in schedules else schedules  # a V, whose rank 0 holds 2 ends
+    check_schedules(gpt_probe(tmp_path, small_text, 2, schedules, resumed), gpt_one, small_text)
 
 
 @pytest.mark.slow
@@ -588,8 +723,21 @@ def test_gpt_every_schedule_on_two_processes_takes_one_process_steps(
 def test_gpt_every_schedule_on_four_processes_takes_one_process_steps(
     gpt_one, tmp_path, small_text
 ):
-    """The same on 4 processes: 4 stages, 8 interleaved or in a V."""
-    check_schedules(gpt_probe(tmp_path, small_text, 4, SCHEDULES), gpt_one, small_text)
+    """The same on 4 processes: 4 stages, 8 interleaved or in a V; GPipe and 1F1B resumed."""
+    reports = gpt_probe(tmp_path, small_text, 4, SCHEDULES, ["gpipe", "1f1b"])
+    check_schedules(reports, gpt_one, small_text)
+
+
+@pytest.mark.slow
+@needs_2_10
+@pytest.mark.skipif(not shutil.which("gcc"), reason="torch.compile on the CPU needs gcc")
+def test_gpt_compiled_blocks_on_two_processes_take_one_process_steps(gpt_one, tmp_path, small_text):
+    """--compile (each block compiled on its own, inside the pipeline's stages): 1F1B on 2
+    processes takes the uncompiled one process's steps, within the same tolerances."""
+    reports = gpt_probe(tmp_path, small_text, 2, ["1f1b"], flags=["--compile"])
+    check_schedules(reports, gpt_one, small_text)
+    for rank in range(2):  # the blocks ran compiled: graphs were made on each rank
+        assert torch.load(tmp_path / f"1f1b.rank{rank}.pt")["compiled"] > 0, rank
 
 
 @pytest.mark.parametrize(

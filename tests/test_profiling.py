@@ -184,8 +184,9 @@ def test_profile_writes_a_trace_per_rank_and_training_is_unchanged(tmp_path):
 
 def test_the_window_holds_training_steps_only(tmp_path):
     """Profiler.step(last=True): an evaluation comes next (here a sleep of 0.3 s). Inside the
-    window (steps 4-6) it ends the window, written as it is; just before, it puts the window
-    off a step; so no profiled step holds it (it was the open step until stop())."""
+    window (steps 4-6) it ends the window, written as it is, also at its first step ("first");
+    just before, it puts the window off a step; so no profiled step holds it (it was the open
+    step until stop())."""
 
     def steps(name, last_steps, steps):
         profiler = profiling.Profiler(tmp_path / name)
@@ -197,7 +198,8 @@ def test_the_window_holds_training_steps_only(tmp_path):
         profiler.stop()
         return profiling.read_trace(tmp_path / name / "rank0.json")["steps"]
 
-    for name, last_steps, runs, profiled in [("short", {5}, 5, 2), ("epochs", {3, 6}, 8, 2)]:
+    cases = [("short", {5}, 5, 2), ("first", {4}, 4, 1), ("epochs", {3, 6}, 8, 2)]
+    for name, last_steps, runs, profiled in cases:
         found = steps(name, last_steps, runs)
         assert len(found) == profiled, (name, found)  # "epochs": steps 5 and 6
         assert all(end - start < 0.25e6 for start, end in found), (name, found)  # microseconds
@@ -277,10 +279,10 @@ def test_every_copy_profiles_and_logs_its_flop_rate(tmp_path, script):
     assert record["flops_per_second"] > 0
 
 
-# The four sharded scripts, one after another in the same two torchrun processes (one start-up
-# instead of four; each main() makes and ends its own process group), each on the GPT. Without
-# the sample of 300 bytes each writes at its end (a forward pass a byte: a quarter of this
-# test's time), which test_language_model.py reads.
+# Four of the five sharded scripts (not nd_parallel.py), one after another in the same two
+# torchrun processes (one start-up instead of four; each main() makes and ends its own process
+# group), each on the GPT. Without the sample of 300 bytes each writes at its end (a forward
+# pass a byte: a quarter of this test's time), which test_language_model.py reads.
 FOUR_RUNS = """
 import sys
 sys.path.insert(0, {root!r})
@@ -298,19 +300,20 @@ for script in (fsdp_train, tensor_parallel, context_parallel, expert_parallel):
 def test_the_sharded_scripts_profile_and_log_their_flop_rate(tmp_path, small_text):
     """fsdp_train.py, tensor_parallel.py, context_parallel.py and expert_parallel.py on 2
     processes with --profile: a trace per rank with the collectives of their strategy in it,
-    one line per rank, and flops_per_second in metrics.jsonl."""
+    one line per rank, and flops_per_second in metrics.jsonl. --max-steps 4: the last step is
+    the window's first, so the window ends there, one step, the evaluation not in it."""
     driver = tmp_path / "four.py"
     driver.write_text(FOUR_RUNS.format(root=str(ROOT)))
-    flags = [*text_flags(small_text), "--dim", "32", "--max-steps", "5", "--batch-size", "4"]
+    flags = [*text_flags(small_text), "--dim", "32", "--max-steps", "4", "--batch-size", "4"]
     # Real torchrun (as test_scripts.py's three runs): its store outlives each main()'s group.
     proc = torchrun(2, [driver, tmp_path, *flags, "--dist-timeout", "60"], timeout=300)
     for name in ("fsdp_train", "tensor_parallel", "context_parallel", "expert_parallel"):
         for rank in range(2):
             trace = profiling.read_trace(tmp_path / "trace" / name / f"rank{rank}.json")
-            assert len(trace["steps"]) == 2 and trace["collectives"], (name, rank)  # 4, 5
+            assert len(trace["steps"]) == 1 and trace["collectives"], (name, rank)  # step 4
             _, waiting = profiling.step_time_and_waiting(trace)
             assert waiting > 0, (name, rank)  # DTensor's collectives too, inside its operators
         (record,) = read_metrics(tmp_path / name)
         assert record["flops_per_second"] > 0, name
     for rank in range(2):
-        assert proc.stdout.count(f"rank {rank}: profile of 2 steps") == 4, proc.stdout
+        assert proc.stdout.count(f"rank {rank}: profile of 1 steps") == 4, proc.stdout
