@@ -284,7 +284,7 @@ def test_refusals(no_launcher):
 @pytest.mark.slow
 def test_a_checkpoint_of_another_model_is_one_line_on_every_rank(tmp_path, ep2):
     """Asked of a checkpoint it does not fit. (A single-file checkpoint and a missing piece are
-    checkpoint.find_checkpoint's checks, the same for the four sharded scripts: test_fsdp.py.)"""
+    checkpoint.find_checkpoint's checks, the same for the sharded scripts: test_fsdp.py.)"""
     out = tmp_path / "out"
     argv = [*FAST, "--experts", "4", "--resume", ep2[1] / "checkpoint", "--output-dir", out]
     argv += ["--batch-size", "6", "--dist-timeout", "100"]

@@ -575,7 +575,7 @@ torch.nn.functional.cross_entropy = cross_entropy
             "at step 5: lower --lr, .*",
             marks=pytest.mark.slow,
         ),
-        # The four sharded scripts share training.log_loss, which checks at log steps (every 4
+        # The sharded scripts share training.log_loss, which checks at log steps (every 4
         # here): both name step 8. Each rank checking its own loss would stop rank 1 alone.
         (
             "fsdp_train",

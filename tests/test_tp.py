@@ -304,7 +304,7 @@ def test_impossible_mesh_is_refused_before_any_collective(no_launcher, flags, wo
 @pytest.mark.slow
 def test_a_checkpoint_of_another_model_is_one_line_on_every_rank(tmp_path, tp2):
     """Asked of a checkpoint it does not fit. (A single-file checkpoint and a missing piece are
-    checkpoint.find_checkpoint's checks, the same for the four sharded scripts: test_fsdp.py.)"""
+    checkpoint.find_checkpoint's checks, the same for the sharded scripts: test_fsdp.py.)"""
     out = tmp_path / "out"
     argv = [*FAST, "--dim", "64", "--resume", tp2[1] / "checkpoint", "--output-dir", out]
     argv += ["--batch-size", "12", "--dist-timeout", "100"]
