@@ -10,7 +10,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.flop_counter import FlopCounterMode
 
 from checkpoint import append_metrics
@@ -150,24 +150,61 @@ def warmup_decay(optimizer, warmup_fraction, total_steps, start=0, decay="cosine
 
 def clip_grad_norm(params, max_norm, pp_group=None):
     """Scale the gradients to a norm of at most max_norm over the whole model (tensor_parallel.py,
-    nd_parallel.py), which clip_grad_norm_ cannot take when DTensors and plain tensors mix: the
-    DTensors' squares summed over the processes that hold their pieces (per device mesh: FSDP's,
-    TP's, both), plain tensors' as they are (the same on every process that holds them); with
-    pp_group, the pipeline stages' sums added over it (each stage's share of the whole norm)."""
-    grads, squares = [p.grad for p in params if p.grad is not None], {}
-    for g in grads:  # squares summed per device mesh (None: plain tensors), one all-reduce each
-        key = g.device_mesh if isinstance(g, DTensor) else None
-        squares[key] = squares.get(key, 0) + g.float().square().sum()
-    total = sum(
-        (s.full_tensor() if isinstance(s, DTensor) else s for s in squares.values()),
-        torch.zeros((), device=grads[0].device),
-    )
+    nd_parallel.py), which clip_grad_norm_ cannot take when DTensors and plain tensors mix: each
+    gradient's local squares summed with those split over the same mesh dimensions (FSDP's,
+    TP's, both; none for plain tensors and replicas), then one all-reduce per dimension (all
+    ranks participate); with pp_group, the pipeline stages' sums added over it. Gradients
+    still owed a sum (Partial: sequence parallelism's norms) get it first, in one all-reduce."""
+    settle_partial([p for p in params if isinstance(p.grad, DTensor)])
+    grads, sums, groups = [p.grad for p in params if p.grad is not None], {}, {}
+    for g in grads:
+        split = ()  # the mesh dimensions across which g's pieces differ
+        if isinstance(g, DTensor):
+            mesh = g.device_mesh
+            for dim, placement in enumerate(g.placements):
+                # Shard, or FSDP's _StridedShard over a TP piece (which is_shard() denies)
+                if not placement.is_replicate() and mesh.size(dim) > 1:
+                    group = mesh.get_group(dim)  # named by its ranks: one of a kind
+                    groups[ranks := tuple(dist.get_process_group_ranks(group))] = group
+                    split += (ranks,)
+            g = g.to_local()
+        sums[split] = sums.get(split, 0) + g.float().square().sum()
+    # The dimensions nest (a TP piece is FSDP-sharded again, never the other way round): the
+    # widest split's sum is reduced over the dimensions only it has, the next one's added, and
+    # so on: each dimension reduced once. (Splits that do not nest: each reduced on its own.)
+    order = sorted(sums, key=len, reverse=True)  # stable: the same order on every rank
+    nested = all(set(b) <= set(a) for a, b in zip(order, order[1:], strict=False))
+    total = torch.zeros((), device=grads[0].device)
+    for split, after in zip(order, [*order[1:], ()], strict=True):
+        part = total + sums[split] if nested else sums[split]
+        for name in (n for n in split if not nested or n not in after):
+            dist.all_reduce(part, group=groups[name])
+        total = part if nested else total + part
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)  # all ranks participate
     scale = (max_norm / (total.sqrt() + 1e-6)).clamp(max=1)
     for g in grads:
         g.mul_(scale)
     return total.sqrt()
+
+
+def settle_partial(params):
+    """The gradients that are DTensors still owed a sum over a mesh dimension (Partial), summed
+    now in one all-reduce per mesh (DTensor would issue one per tensor, in the optimizer's
+    step): what clipping and AdamW then read is each whole gradient."""
+    owed = {}
+    for p in params:
+        if any(placement.is_partial() for placement in p.grad.placements):
+            owed.setdefault((p.grad.device_mesh, p.grad.placements), []).append(p)
+    for (mesh, placements), ps in owed.items():
+        flat = torch.cat([p.grad.to_local().flatten() for p in ps])
+        for dim, placement in enumerate(placements):
+            if placement.is_partial():  # a sum (the only Partial reduction autograd leaves)
+                dist.all_reduce(flat, group=mesh.get_group(dim))
+        whole = [Replicate() if placement.is_partial() else placement for placement in placements]
+        for p, piece in zip(ps, flat.split([p.grad.to_local().numel() for p in ps]), strict=True):
+            local = piece.view_as(p.grad.to_local())
+            p.grad = DTensor.from_local(local, mesh, whole, shape=p.shape, stride=p.stride())
 
 
 def amp_note(amp, device):

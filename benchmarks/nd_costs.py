@@ -1,7 +1,7 @@
 """What each layout of nd_parallel.py costs: what rank 0 holds, and the bytes each dimension of
 the mesh sends per step, for every layout of 8 processes, side by side.
 
-    python benchmarks/nd_costs.py                   # the 11 layouts of issue 43; a table
+    python benchmarks/nd_costs.py                   # 11 layouts of 8 processes; a table
     python benchmarks/nd_costs.py --layouts 2,2,1,2 1,4,2,1 --json rows.json
 
 One torchrun launch of --world processes runs nd_parallel.py's train() for each layout
@@ -40,10 +40,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from sharding import local_bytes, resident_kb  # noqa: E402
 
-# Issue 43's layouts of 8 processes: pp, cp, tp in {1, 2} with dp the rest; pp 4, tp 4, dp 4 x cp 2.
+# Layouts of 8 processes: pp, cp, tp in {1, 2} with dp the rest; pp 4, tp 4, dp 4 x cp 2.
 LAYOUTS = [(pp, 8 // (pp * cp * tp), cp, tp) for pp in (1, 2) for cp in (1, 2) for tp in (1, 2)]
 LAYOUTS += [(4, 2, 1, 1), (1, 2, 1, 4), (1, 4, 2, 1)]
-DIMS = ("pp", "dp_cp", "cp", "tp")  # the mesh's groups (FSDP's: dp x cp flattened)
+DIMS = ("pp", "dp_shard_cp", "cp", "tp")  # the mesh's groups (FSDP's: dp x cp flattened)
 GATHER = ("_allgather_base_", "allgather_", "allgather_coalesced_")
 GATHER += ("allgather_into_tensor_coalesced_",)
 SCATTER = ("_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_")
@@ -188,15 +188,16 @@ def formulas(layout, args):
     out["tp"] = blocks * 4 * 2 * (tp - 1) / tp * a
     # Per block, K and V (2 a / tp) all-gathered in forward, their gradients reduce-scattered.
     out["cp"] = blocks * 2 * (cp - 1) * 2 * a / tp
-    # FSDP over n = dp x cp: each block gathered in the forward of each of the M micro-batches
-    # (resharded after it) and once for the backwards (kept until the last), the root once,
-    # every gradient reduce-scattered once: (n-1)/n ((M + 1) W_blocks + W_root + W), each
-    # tensor padded to n equal shards of rows (positions, one row: n rows).
-    micro = pp if pp > 1 else 1  # nd_parallel.py's default --microbatches
+    # FSDP over n = dp x cp, its units the embedding, each block, the final norm with the head
+    # and the root (the positions): without a pipeline the embedding and the blocks are
+    # gathered for forward and again for backward (resharded between), the others once; under
+    # one every unit once a step (kept from the first micro-batch's forward to the last's
+    # backward); every gradient reduce-scattered once: (n-1)/n (gathered + W), each tensor
+    # padded to n equal shards of rows (positions, one row: n rows).
     w = {k: 4 * -(-s[0] // n) * n * s[1:].numel() for k, s in stage_shapes(layout, args).items()}
-    root = sum(b for k, b in w.items() if not k.startswith("blocks."))
     whole = sum(w.values())
-    out["dp_cp"] = (n - 1) / n * ((micro + 1) * (whole - root) + root + whole)
+    again = sum(b for k, b in w.items() if k.startswith(("blocks.", "embed.")))
+    out["dp_shard_cp"] = (n - 1) / n * (whole + (again if pp == 1 else 0) + whole)
     return out
 
 
@@ -220,7 +221,7 @@ def measure(nd, layout, args, info, sent, saved):
     argv += ["--clip-grad", "0"]  # text's default clips: a scalar all-reduce per mesh dimension
     run_args = nd.get_args([str(a) for a in argv])
     held, steps = dict(left=saved.live), []  # saved tensors still alive: not this layout's
-    real_groups, real_log, real_adamw = nd.param_groups, nd.log_loss, torch.optim.AdamW
+    real_groups, real_log, real_adamw = nd.param_groups, nd.training.log_loss, torch.optim.AdamW
     real_mesh, meshes = nd.init_device_mesh, []
 
     def init_device_mesh(*a, **kw):
@@ -265,7 +266,7 @@ def measure(nd, layout, args, info, sent, saved):
     gc.collect()  # the layout before's tensors go before this one's peak is measured
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     before = resident_kb("VmRSS")
-    nd.param_groups, nd.log_loss, torch.optim.AdamW = param_groups, log_loss, adamw
+    nd.param_groups, nd.training.log_loss, torch.optim.AdamW = param_groups, log_loss, adamw
     nd.init_device_mesh, sent.dims = init_device_mesh, {}
     nd.generate = lambda *a, **kw: "(not sampled)"
     saved.peak, sent.on, start = saved.live, True, time.perf_counter()
@@ -274,7 +275,8 @@ def measure(nd, layout, args, info, sent, saved):
             nd.train(run_args, info)
     finally:
         sent.on = False
-        nd.param_groups, nd.log_loss, torch.optim.AdamW = real_groups, real_log, real_adamw
+        nd.param_groups, nd.training.log_loss = real_groups, real_log
+        torch.optim.AdamW = real_adamw
         nd.init_device_mesh = real_mesh
     last = steps[-1]
     by_dim = {dim: last["sent"].pop(dim, 0) for dim in DIMS}

@@ -14,6 +14,8 @@ weights (rank 0) as the run exports them at its end (model.pt's: the run saves o
 end, so these are also what its checkpoint holds) and after a checkpoint is read; the
 elements of the parameters (the pieces) this rank holds. The 300-byte sample rank 0 draws at
 the end is skipped (0.6 s of a layout's 10 here, while the other ranks wait): nothing reads it.
+Per step also the collectives the gradient clipping called (benchmarks/nd_costs.py's count at
+c10d's operators), by operator.
 """
 
 import os
@@ -25,12 +27,15 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import nd_parallel as module  # noqa: E402
+from benchmarks.nd_costs import Sent  # noqa: E402
 
 reports, global_batch, *layouts = sys.argv[1 : sys.argv.index("--")]
 argv = sys.argv[sys.argv.index("--") + 1 :]
 seen = {}
-names = ("param_groups", "log_loss", "end_epoch", "export_whole")
-real = {name: getattr(module, name) for name in names}
+names = ("log_loss", "end_epoch", "clip_grad_norm")
+real = {name: getattr(module.training, name) for name in names} | dict(
+    param_groups=module.param_groups, export_whole=module.checkpoint.export_whole
+)
 real_adamw, real_save, real_load = torch.optim.AdamW, module.dcp.save, module.dcp.load
 model = {}  # the stage being trained, and its parameters' names
 
@@ -69,6 +74,16 @@ def end_epoch(metrics, record):
     return real["end_epoch"](metrics, record)
 
 
+def clip_grad_norm(*args):
+    sent.reset()
+    sent.on, sent.label = True, "clip"
+    try:
+        return real["clip_grad_norm"](*args)
+    finally:
+        sent.on = False
+        seen["clip"].append(sent.calls.get("clip", {}))
+
+
 def read_back(path):  # rank 0: the whole model in the file export_whole wrote; None elsewhere
     first = not dist.is_initialized() or dist.get_rank() == 0
     return torch.load(path, weights_only=True) if first else None
@@ -91,24 +106,26 @@ real_parallelize = module.parallelize
 
 
 def parallelize(stage, mesh, layout, *args):
-    model["pp_group"] = mesh["pp"].get_group() if layout[0] > 1 else None
+    model["pp_group"] = mesh["pp"].get_group() if layout.pp > 1 else None
     return real_parallelize(stage, mesh, layout, *args)
 
 
-module.param_groups, module.log_loss, module.end_epoch = param_groups, log_loss, end_epoch
-module.parallelize, module.export_whole = parallelize, export_whole
+module.param_groups, module.training.log_loss = param_groups, log_loss
+module.training.end_epoch = end_epoch
+module.parallelize, module.checkpoint.export_whole = parallelize, export_whole
+module.training.clip_grad_norm, sent = clip_grad_norm, Sent()
 module.generate = lambda *args: ""  # the sample: rank 0's 300 forward passes, read by no test
 torch.optim.AdamW = adamw
 module.dcp = type(module.dcp)("dcp")
 module.dcp.save, module.dcp.load = real_save, load
 
-info = module.init_distributed_mode(device="cpu", timeout_s=120)
+info = module.common.init_distributed_mode(device="cpu", timeout_s=600)  # --compile: minutes
 try:
     for spec in layouts:
         layout, *extra = spec.split(":")
         pp, dp, cp, tp, *steps = layout.split(",")
         seen.clear()
-        seen.update(losses=[], grads=[], records=[])
+        seen.update(losses=[], grads=[], records=[], clip=[])
         flags = ["--pp", pp, "--dp", dp, "--cp", cp, "--tp", tp, "--log-every", "1"]
         flags += ["--batch-size", str(int(global_batch) // int(dp))]
         folder = os.path.join(reports, spec)  # a layout with STEPS: the shared one
@@ -122,4 +139,4 @@ try:
         if info.distributed:
             dist.barrier()
 finally:
-    module.cleanup()
+    module.common.cleanup()

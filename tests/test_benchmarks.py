@@ -175,7 +175,7 @@ def test_nd_costs_counts_what_rank_0_holds_and_sends(tmp_path):
         assert row["weights"] == row["grads"] == 4 * numel, row["layout"]
         assert row["optimizer"] == 2 * row["weights"] + 4 * tensors  # AdamW's step: fp32
         assert row["activations"] > 0 and row["peak"] > 0
-        degrees = dict(pp=pp, dp_cp=dp * cp, cp=cp, tp=tp)
+        degrees = dict(pp=pp, dp_shard_cp=dp * cp, cp=cp, tp=tp)
         for dim, sent in row["sent"].items():
             assert sent == pytest.approx(row["formula"][dim]), (row["layout"], dim)
             assert (sent > 0) == (degrees[dim] > 1), (row["layout"], dim)

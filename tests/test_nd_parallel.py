@@ -44,12 +44,12 @@ SAVE4, RESUME4 = f"2,2,1,1,2{PS}dualpipev", f"2,1,1,2,3{PS}interleaved-1f1b"
 QUICK = f"2,2,1,1{PS}zbv"
 
 
-def probe(nproc, reports, corpus, specs):
+def probe(nproc, reports, corpus, specs, timeout=600):
     argv = ["tests/nd_probe.py", reports, GLOBAL_BATCH, *specs, "--"]
     argv += [*text_flags(corpus, SEQ), *FAST]
     if nproc == 1:
         return run_python(argv, timeout=300)
-    return torchrun_workers(nproc, argv, timeout=600)
+    return torchrun_workers(nproc, argv, timeout=timeout)
 
 
 def report(reports, spec):
@@ -97,6 +97,16 @@ def assert_same_steps(got, ref, first=0):
     return worst
 
 
+def assert_one_reduction_a_dimension(got, spec):
+    """Clipping's collectives, each step: one all-reduce for each mesh dimension that splits
+    the weights (FSDP's dp/R x cp, tp) and one over the pipeline, not one per tensor; under
+    sequence parallelism one more, the sums its norms' gradients still owe, all at once."""
+    pp, dp, cp, tp = map(int, spec.split(":")[0].split(",")[:4])
+    dp_shard = dp // (2 if "--replicate=2" in spec else 1)
+    n = (dp_shard * cp > 1) + (tp > 1) + (pp > 1) + ("--sequence-parallel" in spec)
+    assert got["clip"] == [{"allreduce_": n} if n else {}] * len(got["grads"]), spec
+
+
 def initial():
     models.seed_everything(0)  # what nd_parallel.py builds first, on rank 0
     return models.GPT(256, SEQ, 32, depth=4, heads=4).state_dict()
@@ -110,13 +120,11 @@ def assert_same_weights(a, b):
 
 @pytest.fixture(scope="module")
 def one(tmp_path_factory, small_text):
-    """One process: the reference. A schedule of several stages per process changes nothing
-    without a pipeline (one stage, not a V of two)."""
+    """One process: the reference."""
     reports = tmp_path_factory.mktemp("one")
-    probe(1, reports, small_text, ["1,1,1,1", f"1,1,1,1{PS}zbv"])
+    probe(1, reports, small_text, ["1,1,1,1"])
     ref = report(reports, "1,1,1,1")
     assert len(ref["grads"]) == len(ref["losses"]) == STEPS
-    assert_same_steps(report(reports, f"1,1,1,1{PS}zbv"), ref)
     return ref
 
 
@@ -127,6 +135,8 @@ def test_every_layout_takes_the_steps_of_one_process(tmp_path, small_text, one):
     specs = [*SPECS, HSDP]
     probe(8, tmp_path / "eight", small_text, [*specs, SAVE, RESUME])
     worst = {spec: assert_same_steps(report(tmp_path / "eight", spec), one) for spec in specs}
+    for spec in [*specs, SAVE, RESUME]:
+        assert_one_reduction_a_dimension(report(tmp_path / "eight", spec), spec)
     whole = sum(t.numel() for t in initial().values())
     held = {spec: report(tmp_path / "eight", spec)["held"] / whole for spec in specs}
     print("rank 0's share of the parameters:", held)
@@ -151,6 +161,7 @@ def test_a_pipeline_in_a_v_over_fsdp_takes_the_steps_of_one_process(tmp_path, sm
     probe(4, tmp_path, small_text, [QUICK])
     got = report(tmp_path, QUICK)
     print("worst gradient difference / norm:", assert_same_steps(got, one))
+    assert_one_reduction_a_dimension(got, QUICK)
     # The FLOPs of a step, rank 0's count (the others skip it): the whole model's on the global
     # batch, whatever the layout, as one process counts them.
     flops = [r["records"][-1] for r in (got, one)]
@@ -165,11 +176,25 @@ def test_four_processes_take_the_steps_of_one_process(tmp_path, small_text, one)
     zero bubble at pp 2 x cp 2, dualpipev at pp 2 x dp 2."""
     probe(4, tmp_path, small_text, [*FOUR, SAVE4, RESUME4])
     worst = {spec: assert_same_steps(report(tmp_path, spec), one) for spec in FOUR}
+    for spec in [*FOUR, SAVE4, RESUME4]:
+        assert_one_reduction_a_dimension(report(tmp_path, spec), spec)
     saved, resumed = report(tmp_path, SAVE4), report(tmp_path, RESUME4)
     assert len(saved["grads"]) == 2 and len(resumed["grads"]) == 1
     worst[SAVE4] = assert_same_steps(saved, one)  # its 2 steps
     assert_same_weights(resumed["loaded"], saved["saved"])  # a V over FSDP -> a loop over TP
     worst[RESUME4] = assert_same_steps(resumed, one, first=2)
+    print("worst gradient difference / norm:", worst)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not shutil.which("gcc"), reason="inductor compiles C++ on the CPU: no gcc")
+def test_compiled_blocks_take_the_steps_of_one_process(tmp_path, small_text, one):
+    """--compile (each block through torch.compile, inductor's C++ on the CPU) at 2 processes,
+    composed with FSDP (dp 2), TP (tp 2) and a pipeline (pp 2), each against the uncompiled
+    process. Minutes: the first compile of each block's graph (on a loaded 2-core machine)."""
+    specs = [f"{layout}:--compile" for layout in ("1,2,1,1", "1,1,1,2", "2,1,1,1")]
+    probe(2, tmp_path, small_text, specs, timeout=1500)
+    worst = {spec: assert_same_steps(report(tmp_path, spec), one) for spec in specs}
     print("worst gradient difference / norm:", worst)
 
 
@@ -184,6 +209,10 @@ def test_four_processes_take_the_steps_of_one_process(tmp_path, small_text, one)
         (["--cp", "3", "--seq-len", "15"], 3, "--cp 3 cuts each sequence into 6 chunks"),
         (["--tp", "2", "--sequence-parallel", "--seq-len", "15"], 2, "cuts the 15 tokens of each"),
         (["--sequence-parallel"], 1, "over --tp 1: tp must be over 1"),
+        # One stage: a pipeline's flags would do nothing (they ran as 1f1b x 1 and said so).
+        (["--microbatches", "4", "--pipeline-schedule", "zbv"], 2, "--microbatches shapes a"),
+        (["--pipeline-schedule", "gpipe"], 1, "--pipeline-schedule shapes a pipeline: --pp 1"),
+        (["--stages-per-rank", "2"], 2, "--stages-per-rank shapes a pipeline: --pp 1 has none"),
     ],
 )
 def test_a_bad_layout_is_one_line_on_every_rank(small_text, flags, world, expected):
