@@ -28,7 +28,7 @@ def published():
         tokens = args.global_batch * m["seq_len"] / hw["gpus"]
         got = p["tokens_per_second_per_gpu"]
         want = r.get("tokens_per_second_per_gpu") or tokens / r["step_seconds"]
-        out.append((r["name"], r["fitted"], got, want, p["memory_gib"], r["memory_gib"]))
+        out.append((r["name"], r["fitted"], got, want, p["memory_gib"], r.get("memory_gib")))
     return out
 
 
@@ -47,7 +47,7 @@ def draw(rows, cpu, path):
     fig, axes = plt.subplots(1, 2, figsize=(12, 5.5))
     panels = [
         (axes[0], [(r[3], r[2], r) for r in rows], 0.15, "tokens/s a GPU"),
-        (axes[1], [(r[5], r[4], r) for r in rows], 0.20, "memory a GPU, GiB"),
+        (axes[1], [(r[5], r[4], r) for r in rows if r[5]], 0.20, "memory a GPU, GiB"),
     ]
     for ax, points, band, unit in panels:
         lo, hi = 0.5 * min(min(p[:2]) for p in points), 2 * max(max(p[:2]) for p in points)
@@ -86,7 +86,8 @@ def main():
     for name, fitted, got, want, mem, mem_want in rows:
         print(
             f"| {name} | {'yes' if fitted else ''} | {got:,.0f} / {want:,.0f} | "
-            f"{got / want - 1:+.1%} | {mem:.1f} / {mem_want} | {mem / mem_want - 1:+.1%} |"
+            f"{got / want - 1:+.1%} | {mem:.1f} / {mem_want or '-'} | "
+            + (f"{mem / mem_want - 1:+.1%} |" if mem_want else "|")
         )
     for r, got, want in cpu:
         layout = " x ".join(str(r[k]) for k in ("pp", "dp", "cp", "tp"))
