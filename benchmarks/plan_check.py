@@ -84,8 +84,9 @@ def main():
     print("| run | fitted | tokens/s a GPU: plan.py / published | error | GiB: plan.py / "
           "published | error |\n|---|---|---|---|---|---|")  # fmt: skip
     for name, fitted, got, want, mem, mem_want in rows:
+        fitted = "yes" if fitted is True else "x0" if fitted else ""
         print(
-            f"| {name} | {'yes' if fitted else ''} | {got:,.0f} / {want:,.0f} | "
+            f"| {name} | {fitted} | {got:,.0f} / {want:,.0f} | "
             f"{got / want - 1:+.1%} | {mem:.1f} / {mem_want or '-'} | "
             + (f"{mem / mem_want - 1:+.1%} |" if mem_want else "|")
         )

@@ -27,10 +27,6 @@ MISSES = {
     ("BLOOM-176B layout test, 384 A100, TP 4 x PP 12 x DP 8, MBS 2", "memory"),
     ("BLOOM-176B layout test, 384 A100, TP 8 x PP 12 x DP 4, MBS 2", "memory"),
     ("BLOOM-176B layout test, 384 A100, TP 4 x PP 12 x DP 8, MBS 4", "memory"),
-    ("Narayanan et al. 2021, GPT 1.7 B, 32 A100, TP 1 x PP 1 x DP 32", "throughput"),
-    ("Narayanan et al. 2021, GPT 3.6 B, 64 A100, TP 2 x PP 1 x DP 32", "throughput"),
-    ("Narayanan et al. 2021, GPT 7.5 B, 128 A100, TP 4 x PP 1 x DP 32", "throughput"),
-    ("Narayanan et al. 2021, GPT 18.4 B, 256 A100, TP 8 x PP 1 x DP 32", "throughput"),
 }
 
 
@@ -77,7 +73,7 @@ def test_published_runs_within_their_bounds(row, what, request):
         request.applymarker(pytest.mark.xfail(strict=True, reason="a known miss (report)"))
     if what == "throughput":
         err = throughput_error(row)
-        assert abs(err) <= (0.01 if row["fitted"] else 0.15), err
+        assert abs(err) <= (0.01 if row["fitted"] is True else 0.15), err
     else:
         err = predicted(row)["memory_gib"] / row["memory_gib"] - 1
         assert abs(err) <= 0.20, err
@@ -131,7 +127,6 @@ def test_narayanan_rows_are_the_papers_tflops_in_tokens():
         assert f / plan.model_flops_per_token(m) == pytest.approx(4 / 3, rel=0.03)
 
 
-@pytest.mark.xfail(strict=True, reason="one matmul efficiency at every size: 0.938")
 def test_narayanan_rows_move_as_published():
     """TFLOP/s a GPU rise from 135 (18.4 B, TP 8 alone) to 163 (1 T, TP 8 x PP 64): plan.py's,
     in the paper's count, rise by a ratio within 0.08 of the published 1.207."""
@@ -143,6 +138,32 @@ def test_narayanan_rows_move_as_published():
 
     got, want = tflops(big) / tflops(small), big["tflops_per_gpu"] / small["tflops_per_gpu"]
     assert abs(got - want) <= 0.08, (got, want)
+
+
+def test_small_matmuls_reach_less_of_the_peak():
+    """matmul_rate: the fitted fraction of the peak times x / (x + x0), x = h^2 / tp: half of
+    it at x0, rising with h, falling with tp; none where x0 is 0 (h100's)."""
+    a100, h100 = plan.GPUS["a100"], plan.GPUS["h100"]
+    big = 312e12 * a100["matmul"]["bf16"]
+    x0 = a100["small"]
+    assert plan.matmul_rate(a100, "bf16", math.sqrt(x0), 1) == pytest.approx(big / 2)
+    assert plan.matmul_rate(a100, "bf16", math.sqrt(8 * x0), 8) == pytest.approx(big / 2)
+    rates = [plan.matmul_rate(a100, "bf16", 8192, tp) for tp in (1, 2, 4, 8)]
+    assert rates == sorted(rates, reverse=True) and rates[0] < big
+    assert plan.matmul_rate(h100, "bf16", 512, 8) == 989e12 * h100["matmul"]["bf16"]
+
+
+BLOOM = [r for r in PUBLISHED if r["name"].startswith("BLOOM")]
+
+
+@pytest.mark.xfail(strict=True, reason="TP 8 over TP 4: 1.070 predicted, 1.192 published")
+def test_bloom_tp8_ratio_and_ranking():
+    """BLOOM's seconds a step, TP 8 x DP 4 over TP 4 x DP 8 (MBS 2), within 0.08 of the
+    published 1.192, and its three layouts ranked as published: TP 4 MBS 2, MBS 4, TP 8."""
+    steps = [predicted(r)["step_seconds"] for r in BLOOM]
+    want = BLOOM[1]["step_seconds"] / BLOOM[0]["step_seconds"]
+    assert abs(steps[1] / steps[0] - want) <= 0.08, (steps[1] / steps[0], want)
+    assert steps[0] < steps[2] < steps[1], steps
 
 
 def test_byte_formulas_are_nd_costs_formulas():
