@@ -54,17 +54,23 @@ PRESETS = {
 # the 405B's would want it below 0 (its miss is elsewhere): 0. link, the fraction of a link a
 # ring collective reaches (NCCL's bus-bandwidth tests: about 80%); overlap, the share of a
 # step's compute that FSDP's gathers and a pipeline-free gradient reduction hide behind;
-# latency a call. h200: H100's constants, unchecked.
+# latency a call. reserve, what a run holds beyond the tensors counted, as a share of them
+# (the CUDA context, NCCL's buffers, the caching allocator's cached and fragmented blocks):
+# a100's FITTED on BLOOM's TP 4 x PP 12, MBS 2 (nvidia-smi's figure, Megatron-DeepSpeed);
+# h100's 0, as torchtitan's reserve is already over-counted on its 8B (+16%, +22%) and
+# under on its Float8 runs by 41-51% (torch.compile's and Float8's buffers): no one share
+# fits both. h200: H100's constants, unchecked.
 H100 = dict(peak=dict(bf16=989, fp16=989, fp8=1979), nvlink=450, net=50, link=0.8, overlap=0.8,
-            matmul=dict(bf16=0.362, fp16=0.362, fp8=0.359), latency=2e-5, small=0)  # fmt: skip
+            matmul=dict(bf16=0.362, fp16=0.362, fp8=0.359), latency=2e-5, small=0,
+            reserve=0)  # fmt: skip
 GPUS = {
     "a100": dict(peak=dict(bf16=312, fp16=312), mem=80, nvlink=300, net=25,
                  matmul=dict(bf16=0.663, fp16=0.663), link=0.8, overlap=0.8, latency=2e-5,
-                 small=1.9e6),
+                 small=1.9e6, reserve=0.31),
     "h100": dict(H100, mem=80),
     "h200": dict(H100, mem=141),
     "cpu": dict(peak=dict(fp32=1, bf16=1), mem=24, nvlink=5, net=5, matmul=dict(fp32=0.5,
-                bf16=0.5), link=0.5, overlap=0.0, latency=1e-4, small=0),  # a guess, unchecked
+                bf16=0.5), link=0.5, overlap=0.0, latency=1e-4, small=0, reserve=0),  # a guess
 }  # fmt: skip
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
 SPLIT = ("weights", "gradients", "optimizer", "activations", "buffer")
@@ -278,6 +284,7 @@ def evaluate(m, hw, lay, batch, microbatch, policy="keep"):
     step = pipe + exposed
     tps = batch * s / step / hw["gpus"]
     mem = {k: x / 2**30 for k, x in worst.items()}  # GiB
+    mem["overhead"] = hw["reserve"] * sum(mem.values())  # GPUS: reserve
     return dict(
         layout=dict(tp=tp, pp=pp, cp=cp, dp=dp, shard=shard, schedule=sched, stages_per_rank=v,
                     recompute=rec, precision=prec, microbatch=microbatch),

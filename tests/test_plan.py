@@ -24,9 +24,6 @@ MISSES = {
     ("torchtitan Llama 3.1 405B, 512 H100, FSDP 8 x TP 8 x PP 8, 1F1B, Float8", "memory"),
     ("torchtitan Llama 3.1 405B, 512 H100, interleaved 1F1B, Float8", "throughput"),
     ("torchtitan Llama 3.1 405B, 512 H100, interleaved 1F1B, Float8", "memory"),
-    ("BLOOM-176B layout test, 384 A100, TP 4 x PP 12 x DP 8, MBS 2", "memory"),
-    ("BLOOM-176B layout test, 384 A100, TP 8 x PP 12 x DP 4, MBS 2", "memory"),
-    ("BLOOM-176B layout test, 384 A100, TP 4 x PP 12 x DP 8, MBS 4", "memory"),
 }
 
 
@@ -76,7 +73,7 @@ def test_published_runs_within_their_bounds(row, what, request):
         assert abs(err) <= (0.01 if row["fitted"] is True else 0.15), err
     else:
         err = predicted(row)["memory_gib"] / row["memory_gib"] - 1
-        assert abs(err) <= 0.20, err
+        assert abs(err) <= (0.01 if row.get("memory_fitted") else 0.20), err
 
 
 def test_published_ratios_move_as_the_published_ones():
@@ -151,6 +148,17 @@ def test_small_matmuls_reach_less_of_the_peak():
     rates = [plan.matmul_rate(a100, "bf16", 8192, tp) for tp in (1, 2, 4, 8)]
     assert rates == sorted(rates, reverse=True) and rates[0] < big
     assert plan.matmul_rate(h100, "bf16", 512, 8) == 989e12 * h100["matmul"]["bf16"]
+
+
+def test_reserve_adds_a_share_of_the_tensors_counted():
+    """The overhead part is the GPU type's reserve times the tensors counted (a100: 0.31 of
+    them, h100 0), and memory_gib the sum of the parts."""
+    for row in (PUBLISHED[0], PUBLISHED[5]):
+        args, m, hw, (p,) = plan.run(row["argv"])
+        counted = sum(v for k, v in p["memory"].items() if k != "overhead")
+        assert p["memory"]["overhead"] == pytest.approx(hw["reserve"] * counted)
+        assert p["memory_gib"] == pytest.approx(sum(p["memory"].values()))
+    assert plan.GPUS["a100"]["reserve"] > 0 and p["memory"]["overhead"] > 0
 
 
 BLOOM = [r for r in PUBLISHED if r["name"].startswith("BLOOM")]
