@@ -45,21 +45,18 @@ PRESETS = {
     "gpt": (8, 256, 4, 4, 1024, 256, 256, "gelu"),  # nd_costs.py's GPT of models.py (bytes)
 }
 # Data sheets: dense TFLOP/s by precision, GiB, GB/s one way a GPU over NVLink and the
-# network (A100: NVLink 3, HDR 200 Gb/s; H100, H200: NVLink 4, NDR 400 Gb/s). The efficiency
-# constants, one set per GPU type (tests/plan_published.json names the rows): matmul, the
-# fraction of the peak big matmuls reach by precision, FITTED on one row each: a100's on
-# BLOOM's TP 4 x PP 12, MBS 2; h100's bf16 on torchtitan's 8B on 8 GPUs, fp8 on its 70B.
-# small, the x0 of matmul_rate, FITTED for a100 on Narayanan et al.'s 1.7 B and 7.5 B rows
-# (errors equal and opposite); h100's rows (h^2/tp of 8.4e6 to 3.4e7) do not separate it and
-# the 405B's would want it below 0 (its miss is elsewhere): 0. link, the fraction of a link a
-# ring collective reaches (NCCL's bus-bandwidth tests: about 80%); overlap, the share of a
-# step's compute that FSDP's gathers and a pipeline-free gradient reduction hide behind;
-# latency a call. reserve, what a run holds beyond the tensors counted, as a share of them
-# (the CUDA context, NCCL's buffers, the caching allocator's cached and fragmented blocks):
-# a100's FITTED on BLOOM's TP 4 x PP 12, MBS 2 (nvidia-smi's figure, Megatron-DeepSpeed);
-# h100's 0, as torchtitan's reserve is already over-counted on its 8B (+16%, +22%) and
-# under on its Float8 runs by 41-51% (torch.compile's and Float8's buffers): no one share
-# fits both. h200: H100's constants, unchecked.
+# network (A100: NVLink 3, HDR 200 Gb/s; H100, H200: NVLink 4, NDR 400 Gb/s). Efficiency
+# constants, one set per GPU type, FITTED on the rows named (tests/plan_published.json):
+# matmul, the fraction of the peak big matmuls reach (a100: BLOOM's TP 4, MBS 2; h100 bf16:
+# torchtitan's 8B on 8, fp8: its 70B); small, matmul_rate's x0 (a100: Narayanan et al.'s
+# 1.7 B and 7.5 B, errors equal and opposite; h100 0: its rows, h^2/tp 8.4e6 to 3.4e7, do
+# not separate it); reserve, what a run holds beyond the tensors counted, as a share of them
+# (CUDA context, NCCL's buffers, the caching allocator's cached blocks; a100: BLOOM's TP 4,
+# MBS 2, as nvidia-smi shows it; h100 0: torchtitan's 8B is over-counted already, its Float8
+# runs 41-51% under, no one share fits both). Not fitted: link, the fraction of a link a ring
+# collective reaches (NCCL's bus-bandwidth tests: about 80%); overlap, the share of a step's
+# compute FSDP's gathers and a pipeline-free gradient reduction hide behind; latency a call.
+# h200: H100's constants, unchecked.
 H100 = dict(peak=dict(bf16=989, fp16=989, fp8=1979), nvlink=450, net=50, link=0.8, overlap=0.8,
             matmul=dict(bf16=0.362, fp16=0.362, fp8=0.359), latency=2e-5, small=0,
             reserve=0)  # fmt: skip
@@ -96,10 +93,9 @@ def model_flops_per_token(m):
 
 
 def matmul_rate(hw, prec, h, tp):
-    """FLOP/s a GPU's matmuls reach: the peak, times the fraction big ones reach, times
-    x / (x + x0): x the weights of one h x h matrix on a GPU (h^2 / tp), x0 ("small") per GPU
-    type. Small matrices reach less of the peak (fewer tiles to fill the GPU's units), and
-    the work outside matmuls (norms, residuals, softmax, GELU) grows as h against their h^2."""
+    """FLOP/s a GPU's matmuls reach: the peak x the fraction big ones reach x x / (x + x0),
+    x = h^2 / tp, one h x h matrix on a GPU: small ones fill fewer of its units, and the work
+    outside matmuls (norms, residuals, softmax, GELU) grows as h against their h^2."""
     x = h * h / tp
     return hw["peak"][prec] * 1e12 * hw["matmul"][prec] * x / (x + hw["small"])
 
