@@ -1,5 +1,6 @@
 """plan.py against what it predicts: published runs (tests/plan_published.json: torchtitan's
-Llama 3.1 on H100s, BLOOM-176B's layout tests on A100s) and this project's counted runs
+Llama 3.1 on H100s, BLOOM-176B's layout tests and Narayanan et al. 2021's Table 1, GPT 1.7 B
+to 1 T, on A100s) and this project's counted runs
 (nd_costs.py at 8 CPU processes), one point each, predicted over published; a table of the
 errors beside. Draws benchmarks/plan.png (matplotlib, requirements-dev.txt).
 
@@ -16,6 +17,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import plan  # noqa: E402
 
+COLORS = {"torchtitan": "tab:blue", "BLOOM-176B": "tab:orange", "Narayanan": "tab:purple"}
+LABELS = {
+    "torchtitan": "torchtitan Llama 3.1, H100 (filled: a row fitted)",
+    "BLOOM-176B": "BLOOM-176B layout tests, A100 (same)",
+    "Narayanan": "Narayanan et al. 2021, GPT on A100 (same)",
+}
 DATA = json.loads((ROOT / "tests" / "plan_published.json").read_text())
 
 
@@ -61,11 +68,12 @@ def draw(rows, cpu, path):
         ax.fill_between(xs, [x * (1 - band) for x in xs], [x * (1 + band) for x in xs],
                         color="tab:green", alpha=0.15, label=f"within {band:.0%}")  # fmt: skip
         for want, got, r in points:
-            kind = "tab:blue" if "torchtitan" in r[0] else "tab:orange"
+            kind = COLORS[r[0].split()[0]]
             ax.scatter(want, got, color=kind, marker="o" if r[1] else "s", zorder=4,
                        facecolors=kind if r[1] else "none")  # fmt: skip
-        ax.scatter([], [], color="tab:blue", label="torchtitan, H100 (filled: a row fitted)")
-        ax.scatter([], [], color="tab:orange", label="BLOOM-176B layout tests, A100 (same)")
+        for source, kind in COLORS.items():
+            if any(r[0].startswith(source) for *_, r in points):
+                ax.scatter([], [], color=kind, label=LABELS[source])
         ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi))
         ax.set(xlabel=f"published {unit}", ylabel=f"plan.py's {unit}")
         ax.legend(fontsize=8, loc="upper left")
