@@ -15,9 +15,6 @@ The formulas, as the papers name them:
 - Pipeline bubble (Narayanan et al. 2021, section 2.2): (P-1)/(VM + P-1) of a step idle, P
   stages a micro-batch crosses, V per process (interleaved), M micro-batches; zero-bubble
   schedules (Qi et al. 2023) fill two thirds of it with weight gradients (ZB-H1).
-- Micro-batches alive on the first pipeline rank, as model_parallel.py measures them
-  (benchmarks/results.md, "Pipeline schedules"): gpipe M, 1f1b min(M, P), interleaved
-  (V+1)P chunks of 1/V, zero bubble in a V (zbv, dualpipev) 2P+1 chunks of 1/2.
 - Activations (Korthikanti et al. 2022, section 4): per block and micro-batch, s b h words
   of what backward needs, never the s^2 scores (a fused attention: what their selective
   recomputation removes); full recomputation keeps each block's input and one block's set.
@@ -46,17 +43,13 @@ PRESETS = {
 }
 # Data sheets: dense TFLOP/s by precision, GiB, GB/s one way a GPU over NVLink and the
 # network (A100: NVLink 3, HDR 200 Gb/s; H100, H200: NVLink 4, NDR 400 Gb/s). Efficiency
-# constants, one set per GPU type, FITTED on the rows named (tests/plan_published.json):
-# matmul, the fraction of the peak big matmuls reach (a100: BLOOM's TP 4, MBS 2; h100 bf16:
-# torchtitan's 8B on 8, fp8: its 70B); small, matmul_rate's x0 (a100: Narayanan et al.'s
-# 1.7 B and 7.5 B, errors equal and opposite; h100 0: its rows, h^2/tp 8.4e6 to 3.4e7, do
-# not separate it); reserve, what a run holds beyond the tensors counted, as a share of them
-# (CUDA context, NCCL's buffers, the caching allocator's cached blocks; a100: BLOOM's TP 4,
-# MBS 2, as nvidia-smi shows it; h100 0: torchtitan's 8B is over-counted already, its Float8
-# runs 41-51% under, no one share fits both). Not fitted: link, the fraction of a link a ring
-# collective reaches (NCCL's bus-bandwidth tests: about 80%); overlap, the share of a step's
-# compute FSDP's gathers and a pipeline-free gradient reduction hide behind; latency a call.
-# h200: H100's constants, unchecked.
+# constants, one set per GPU type, FITTED on the rows tests/plan_published.json marks (why
+# each, and h100's zeros: docs/plan.md): matmul, the fraction of the peak big matmuls reach;
+# small, matmul_rate's x0; reserve, what a run holds beyond the tensors counted, as a share of
+# them (CUDA context, NCCL's buffers, the caching allocator's cached blocks). Not fitted: link,
+# the fraction of a link a ring collective reaches (NCCL's bus-bandwidth tests: about 80%);
+# overlap, the share of a step's compute FSDP's gathers and a pipeline-free gradient
+# reduction hide behind; latency a call. h200: H100's constants, unchecked.
 H100 = dict(peak=dict(bf16=989, fp16=989, fp8=1979), nvlink=450, net=50, link=0.8, overlap=0.8,
             matmul=dict(bf16=0.362, fp16=0.362, fp8=0.359), latency=2e-5, small=0,
             reserve=0)  # fmt: skip
@@ -111,8 +104,9 @@ def rank_stages(schedule, rank, pp, per_rank):  # training.pipeline_stage_ids
 
 
 def in_flight(schedule, micro, pp, per_rank):
-    """Micro-batches whose activations the first pipeline rank holds at its peak, in units of
-    one micro-batch through all of its blocks (model_parallel.py's measured counts)."""
+    """Micro-batches the first pipeline rank holds at its peak, in micro-batches through all its
+    blocks, as model_parallel.py measures them (benchmarks/results.md): gpipe M, 1f1b
+    min(M, P), interleaved (V+1)P chunks of 1/V, in a V (zbv, dualpipev) 2P+1 chunks of 1/2."""
     if pp == 1:
         return 1
     if schedule in ("gpipe", "1f1b"):
