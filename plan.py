@@ -15,9 +15,6 @@ The formulas, as the papers name them:
 - Pipeline bubble (Narayanan et al. 2021, section 2.2): (P-1)/(VM + P-1) of a step idle, P
   stages a micro-batch crosses, V per process (interleaved), M micro-batches; zero-bubble
   schedules (Qi et al. 2023) fill two thirds of it with weight gradients (ZB-H1).
-- Micro-batches alive on the first pipeline rank, as model_parallel.py measures them
-  (benchmarks/results.md, "Pipeline schedules"): gpipe M, 1f1b min(M, P), interleaved
-  (V+1)P chunks of 1/V, zero bubble in a V (zbv, dualpipev) 2P+1 chunks of 1/2.
 - Activations (Korthikanti et al. 2022, section 4): per block and micro-batch, s b h words
   of what backward needs, never the s^2 scores (a fused attention: what their selective
   recomputation removes); full recomputation keeps each block's input and one block's set.
@@ -45,22 +42,25 @@ PRESETS = {
     "gpt": (8, 256, 4, 4, 1024, 256, 256, "gelu"),  # nd_costs.py's GPT of models.py (bytes)
 }
 # Data sheets: dense TFLOP/s by precision, GiB, GB/s one way a GPU over NVLink and the
-# network (A100: NVLink 3, HDR 200 Gb/s; H100, H200: NVLink 4, NDR 400 Gb/s). The efficiency
-# constants, one set per GPU type: matmul, the fraction of the peak a step's matmuls reach by
-# precision, FITTED on one published row each (tests/plan_published.json): a100's bf16 on
-# BLOOM's TP 4 x PP 12 layout test, h100's bf16 on torchtitan's 8B on 8 GPUs, fp8 on its 70B;
-# link, the fraction of a link a ring collective reaches (NCCL's bus-bandwidth tests: about
-# 80%); overlap, the share of a step's compute that FSDP's gathers and a pipeline-free
-# gradient reduction hide behind; latency a call. h200: H100's constants, unchecked.
+# network (A100: NVLink 3, HDR 200 Gb/s; H100, H200: NVLink 4, NDR 400 Gb/s). Efficiency
+# constants, one set per GPU type, FITTED on the rows tests/plan_published.json marks (why
+# each, and h100's zeros: docs/plan.md): matmul, the fraction of the peak big matmuls reach;
+# small, matmul_rate's x0; reserve, what a run holds beyond the tensors counted, as a share of
+# them (CUDA context, NCCL's buffers, the caching allocator's cached blocks). Not fitted: link,
+# the fraction of a link a ring collective reaches (NCCL's bus-bandwidth tests: about 80%);
+# overlap, the share of a step's compute FSDP's gathers and a pipeline-free gradient
+# reduction hide behind; latency a call. h200: H100's constants, unchecked.
 H100 = dict(peak=dict(bf16=989, fp16=989, fp8=1979), nvlink=450, net=50, link=0.8, overlap=0.8,
-            matmul=dict(bf16=0.362, fp16=0.362, fp8=0.359), latency=2e-5)  # fmt: skip
+            matmul=dict(bf16=0.362, fp16=0.362, fp8=0.359), latency=2e-5, small=0,
+            reserve=0)  # fmt: skip
 GPUS = {
     "a100": dict(peak=dict(bf16=312, fp16=312), mem=80, nvlink=300, net=25,
-                 matmul=dict(bf16=0.639, fp16=0.639), link=0.8, overlap=0.8, latency=2e-5),
+                 matmul=dict(bf16=0.663, fp16=0.663), link=0.8, overlap=0.8, latency=2e-5,
+                 small=1.9e6, reserve=0.31),
     "h100": dict(H100, mem=80),
     "h200": dict(H100, mem=141),
     "cpu": dict(peak=dict(fp32=1, bf16=1), mem=24, nvlink=5, net=5, matmul=dict(fp32=0.5,
-                bf16=0.5), link=0.5, overlap=0.0, latency=1e-4),  # a rough guess, unchecked
+                bf16=0.5), link=0.5, overlap=0.0, latency=1e-4, small=0, reserve=0),  # a guess
 }  # fmt: skip
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
 SPLIT = ("weights", "gradients", "optimizer", "activations", "buffer")
@@ -85,6 +85,14 @@ def model_flops_per_token(m):
     return 6 * n + 12 * m["layers"] * m["dim"] * m["seq_len"]
 
 
+def matmul_rate(hw, prec, h, tp):
+    """FLOP/s a GPU's matmuls reach: the peak x the fraction big ones reach x x / (x + x0),
+    x = h^2 / tp, one h x h matrix on a GPU: small ones fill fewer of its units, and the work
+    outside matmuls (norms, residuals, softmax, GELU) grows as h against their h^2."""
+    x = h * h / tp
+    return hw["peak"][prec] * 1e12 * hw["matmul"][prec] * x / (x + hw["small"])
+
+
 def stage_blocks(layers, stages):
     """Blocks of each stage: the ceiling for the first layers % stages, the floor after."""
     return [layers // stages + (s < layers % stages) for s in range(stages)]
@@ -96,8 +104,9 @@ def rank_stages(schedule, rank, pp, per_rank):  # training.pipeline_stage_ids
 
 
 def in_flight(schedule, micro, pp, per_rank):
-    """Micro-batches whose activations the first pipeline rank holds at its peak, in units of
-    one micro-batch through all of its blocks (model_parallel.py's measured counts)."""
+    """Micro-batches the first pipeline rank holds at its peak, in micro-batches through all its
+    blocks, as model_parallel.py measures them (benchmarks/results.md): gpipe M, 1f1b
+    min(M, P), interleaved (V+1)P chunks of 1/V, in a V (zbv, dualpipev) 2P+1 chunks of 1/2."""
     if pp == 1:
         return 1
     if schedule in ("gpipe", "1f1b"):
@@ -220,7 +229,7 @@ def evaluate(m, hw, lay, batch, microbatch, policy="keep"):
     c = 6 + 2 * kv + (3 if m["mlp"] == "swiglu" else 2) * m["ffn"] / h
     kept = {"full": 1 / tp if sp else 1}.get(rec, c / tp if sp else 4 + (c - 4) / tp)
     kept += (rec != "full") * 2 * kv * (cp - 1) / tp  # context parallelism's gathered K, V
-    rate = hw["peak"][prec] * 1e12 * hw["matmul"][prec]
+    rate = matmul_rate(hw, prec, h, tp)
     mm, attn = 2 * (bp - 4 * h), 4 * h * s  # a token's forward FLOPs in a block
     again = {"none": 0, "selective": attn, "full": mm + attn}[rec]  # recomputed
     t_block = tokens * (3 * (mm + attn) + again) / tp / rate
@@ -265,6 +274,7 @@ def evaluate(m, hw, lay, batch, microbatch, policy="keep"):
     step = pipe + exposed
     tps = batch * s / step / hw["gpus"]
     mem = {k: x / 2**30 for k, x in worst.items()}  # GiB
+    mem["overhead"] = hw["reserve"] * sum(mem.values())  # GPUS: reserve
     return dict(
         layout=dict(tp=tp, pp=pp, cp=cp, dp=dp, shard=shard, schedule=sched, stages_per_rank=v,
                     recompute=rec, precision=prec, microbatch=microbatch),

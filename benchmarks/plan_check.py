@@ -1,5 +1,6 @@
 """plan.py against what it predicts: published runs (tests/plan_published.json: torchtitan's
-Llama 3.1 on H100s, BLOOM-176B's layout tests on A100s) and this project's counted runs
+Llama 3.1 on H100s, BLOOM-176B's layout tests and Narayanan et al. 2021's Table 1, GPT 1.7 B
+to 1 T, on A100s) and this project's counted runs
 (nd_costs.py at 8 CPU processes), one point each, predicted over published; a table of the
 errors beside. Draws benchmarks/plan.png (matplotlib, requirements-dev.txt).
 
@@ -16,6 +17,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import plan  # noqa: E402
 
+COLORS = {"torchtitan": "tab:blue", "BLOOM-176B": "tab:orange", "Narayanan": "tab:purple"}
+LABELS = {
+    "torchtitan": "torchtitan Llama 3.1, H100 (filled: a row fitted)",
+    "BLOOM-176B": "BLOOM-176B layout tests, A100 (same)",
+    "Narayanan": "Narayanan et al. 2021, GPT on A100 (same)",
+}
 DATA = json.loads((ROOT / "tests" / "plan_published.json").read_text())
 
 
@@ -28,7 +35,7 @@ def published():
         tokens = args.global_batch * m["seq_len"] / hw["gpus"]
         got = p["tokens_per_second_per_gpu"]
         want = r.get("tokens_per_second_per_gpu") or tokens / r["step_seconds"]
-        out.append((r["name"], r["fitted"], got, want, p["memory_gib"], r["memory_gib"]))
+        out.append((r["name"], r["fitted"], got, want, p["memory_gib"], r.get("memory_gib")))
     return out
 
 
@@ -47,7 +54,7 @@ def draw(rows, cpu, path):
     fig, axes = plt.subplots(1, 2, figsize=(12, 5.5))
     panels = [
         (axes[0], [(r[3], r[2], r) for r in rows], 0.15, "tokens/s a GPU"),
-        (axes[1], [(r[5], r[4], r) for r in rows], 0.20, "memory a GPU, GiB"),
+        (axes[1], [(r[5], r[4], r) for r in rows if r[5]], 0.20, "memory a GPU, GiB"),
     ]
     for ax, points, band, unit in panels:
         lo, hi = 0.5 * min(min(p[:2]) for p in points), 2 * max(max(p[:2]) for p in points)
@@ -61,11 +68,12 @@ def draw(rows, cpu, path):
         ax.fill_between(xs, [x * (1 - band) for x in xs], [x * (1 + band) for x in xs],
                         color="tab:green", alpha=0.15, label=f"within {band:.0%}")  # fmt: skip
         for want, got, r in points:
-            kind = "tab:blue" if "torchtitan" in r[0] else "tab:orange"
+            kind = COLORS[r[0].split()[0]]
             ax.scatter(want, got, color=kind, marker="o" if r[1] else "s", zorder=4,
                        facecolors=kind if r[1] else "none")  # fmt: skip
-        ax.scatter([], [], color="tab:blue", label="torchtitan, H100 (filled: a row fitted)")
-        ax.scatter([], [], color="tab:orange", label="BLOOM-176B layout tests, A100 (same)")
+        for source, kind in COLORS.items():
+            if any(r[0].startswith(source) for *_, r in points):
+                ax.scatter([], [], color=kind, label=LABELS[source])
         ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi))
         ax.set(xlabel=f"published {unit}", ylabel=f"plan.py's {unit}")
         ax.legend(fontsize=8, loc="upper left")
@@ -84,9 +92,11 @@ def main():
     print("| run | fitted | tokens/s a GPU: plan.py / published | error | GiB: plan.py / "
           "published | error |\n|---|---|---|---|---|---|")  # fmt: skip
     for name, fitted, got, want, mem, mem_want in rows:
+        fitted = "yes" if fitted is True else "x0" if fitted else ""
         print(
-            f"| {name} | {'yes' if fitted else ''} | {got:,.0f} / {want:,.0f} | "
-            f"{got / want - 1:+.1%} | {mem:.1f} / {mem_want} | {mem / mem_want - 1:+.1%} |"
+            f"| {name} | {fitted} | {got:,.0f} / {want:,.0f} | "
+            f"{got / want - 1:+.1%} | {mem:.1f} / {mem_want or '-'} | "
+            + (f"{mem / mem_want - 1:+.1%} |" if mem_want else "|")
         )
     for r, got, want in cpu:
         layout = " x ".join(str(r[k]) for k in ("pp", "dp", "cp", "tp"))

@@ -24,9 +24,6 @@ MISSES = {
     ("torchtitan Llama 3.1 405B, 512 H100, FSDP 8 x TP 8 x PP 8, 1F1B, Float8", "memory"),
     ("torchtitan Llama 3.1 405B, 512 H100, interleaved 1F1B, Float8", "throughput"),
     ("torchtitan Llama 3.1 405B, 512 H100, interleaved 1F1B, Float8", "memory"),
-    ("BLOOM-176B layout test, 384 A100, TP 4 x PP 12 x DP 8, MBS 2", "memory"),
-    ("BLOOM-176B layout test, 384 A100, TP 8 x PP 12 x DP 4, MBS 2", "memory"),
-    ("BLOOM-176B layout test, 384 A100, TP 4 x PP 12 x DP 8, MBS 4", "memory"),
 }
 
 
@@ -67,14 +64,16 @@ def test_zero_model_states_match_the_papers_example():
 @pytest.mark.parametrize("row", PUBLISHED, ids=lambda r: r["name"])
 @pytest.mark.parametrize("what", ["throughput", "memory"])
 def test_published_runs_within_their_bounds(row, what, request):
+    if what == "memory" and "memory_gib" not in row:
+        pytest.skip("no memory published")
     if (row["name"], what) in MISSES:
         request.applymarker(pytest.mark.xfail(strict=True, reason="a known miss (report)"))
     if what == "throughput":
         err = throughput_error(row)
-        assert abs(err) <= (0.01 if row["fitted"] else 0.15), err
+        assert abs(err) <= (0.01 if row["fitted"] is True else 0.15), err
     else:
         err = predicted(row)["memory_gib"] / row["memory_gib"] - 1
-        assert abs(err) <= 0.20, err
+        assert abs(err) <= (0.01 if row.get("memory_fitted") else 0.20), err
 
 
 def test_published_ratios_move_as_the_published_ones():
@@ -100,6 +99,79 @@ def test_published_ratios_move_as_the_published_ones():
         "step_seconds",
     )
     assert abs(got - want) <= 0.08, (got, want)
+
+
+def megatron_flops_per_token(m):
+    """Narayanan et al. 2021, eq. 3 over B s: 96 l h^2 (1 + s/(6h) + V/(16 l h)), which counts
+    the forward twice (full recomputation): 4/3 of a 6N-style count."""
+    h, layers = m["dim"], m["layers"]
+    return 96 * layers * h * h * (1 + m["seq_len"] / (6 * h) + m["vocab"] / (16 * layers * h))
+
+
+NARAYANAN = [r for r in PUBLISHED if r["name"].startswith("Narayanan")]
+
+
+def test_narayanan_rows_are_the_papers_tflops_in_tokens():
+    """Each row's tokens/s a GPU is the paper's TFLOP/s over its FLOPs a token, and those are
+    4/3 of plan.py's 6N-style count (within the attention and vocabulary terms' 3%)."""
+    assert len(NARAYANAN) == 10
+    for r in NARAYANAN:
+        m = plan.run(r["argv"])[1]
+        f = megatron_flops_per_token(m)
+        assert r["tokens_per_second_per_gpu"] == pytest.approx(
+            r["tflops_per_gpu"] * 1e12 / f, abs=0.05
+        )
+        assert f / plan.model_flops_per_token(m) == pytest.approx(4 / 3, rel=0.03)
+
+
+def test_narayanan_rows_move_as_published():
+    """TFLOP/s a GPU rise from 135 (18.4 B, TP 8 alone) to 163 (1 T, TP 8 x PP 64): plan.py's,
+    in the paper's count, rise by a ratio within 0.08 of the published 1.207."""
+    small, big = NARAYANAN[3], NARAYANAN[9]
+
+    def tflops(r):
+        args, m, hw, (p,) = plan.run(r["argv"])
+        return p["tokens_per_second_per_gpu"] * megatron_flops_per_token(m)
+
+    got, want = tflops(big) / tflops(small), big["tflops_per_gpu"] / small["tflops_per_gpu"]
+    assert abs(got - want) <= 0.08, (got, want)
+
+
+def test_small_matmuls_reach_less_of_the_peak():
+    """matmul_rate: the fitted fraction of the peak times x / (x + x0), x = h^2 / tp: half of
+    it at x0, rising with h, falling with tp; none where x0 is 0 (h100's)."""
+    a100, h100 = plan.GPUS["a100"], plan.GPUS["h100"]
+    big = 312e12 * a100["matmul"]["bf16"]
+    x0 = a100["small"]
+    assert plan.matmul_rate(a100, "bf16", math.sqrt(x0), 1) == pytest.approx(big / 2)
+    assert plan.matmul_rate(a100, "bf16", math.sqrt(8 * x0), 8) == pytest.approx(big / 2)
+    rates = [plan.matmul_rate(a100, "bf16", 8192, tp) for tp in (1, 2, 4, 8)]
+    assert rates == sorted(rates, reverse=True) and rates[0] < big
+    assert plan.matmul_rate(h100, "bf16", 512, 8) == 989e12 * h100["matmul"]["bf16"]
+
+
+def test_reserve_adds_a_share_of_the_tensors_counted():
+    """The overhead part is the GPU type's reserve times the tensors counted (a100: 0.31 of
+    them, h100 0), and memory_gib the sum of the parts."""
+    for row in (PUBLISHED[0], PUBLISHED[5]):
+        args, m, hw, (p,) = plan.run(row["argv"])
+        counted = sum(v for k, v in p["memory"].items() if k != "overhead")
+        assert p["memory"]["overhead"] == pytest.approx(hw["reserve"] * counted)
+        assert p["memory_gib"] == pytest.approx(sum(p["memory"].values()))
+    assert plan.GPUS["a100"]["reserve"] > 0 and p["memory"]["overhead"] > 0
+
+
+BLOOM = [r for r in PUBLISHED if r["name"].startswith("BLOOM")]
+
+
+@pytest.mark.xfail(strict=True, reason="TP 8 over TP 4: 1.070 predicted, 1.192 published")
+def test_bloom_tp8_ratio_and_ranking():
+    """BLOOM's seconds a step, TP 8 x DP 4 over TP 4 x DP 8 (MBS 2), within 0.08 of the
+    published 1.192, and its three layouts ranked as published: TP 4 MBS 2, MBS 4, TP 8."""
+    steps = [predicted(r)["step_seconds"] for r in BLOOM]
+    want = BLOOM[1]["step_seconds"] / BLOOM[0]["step_seconds"]
+    assert abs(steps[1] / steps[0] - want) <= 0.08, (steps[1] / steps[0], want)
+    assert steps[0] < steps[2] < steps[1], steps
 
 
 def test_byte_formulas_are_nd_costs_formulas():
