@@ -100,10 +100,12 @@ def assert_same_steps(got, ref, first=0):
 def assert_one_reduction_a_dimension(got, spec):
     """Clipping's collectives, each step: one all-reduce for each mesh dimension that splits
     the weights (FSDP's dp/R x cp, tp) and one over the pipeline, not one per tensor; under
-    sequence parallelism one more, the sums its norms' gradients still owe, all at once."""
+    sequence parallelism without FSDP (whose reduction sums them) one more: the sums its norms'
+    gradients still owe (Partial), all at once."""
     pp, dp, cp, tp = map(int, spec.split(":")[0].split(",")[:4])
     dp_shard = dp // (2 if "--replicate=2" in spec else 1)
-    n = (dp_shard * cp > 1) + (tp > 1) + (pp > 1) + ("--sequence-parallel" in spec)
+    owed = "--sequence-parallel" in spec and dp_shard * cp == 1
+    n = (dp_shard * cp > 1) + (tp > 1) + (pp > 1) + owed
     assert got["clip"] == [{"allreduce_": n} if n else {}] * len(got["grads"]), spec
 
 
