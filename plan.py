@@ -3,8 +3,7 @@ transformer on a cluster, for one layout or for every layout that fits (the best
 first). The standard library only: it runs where torch is not installed.
 
     python plan.py --model llama3-70b --gpus 256 --global-batch 512 --microbatch 2  # a search
-    python plan.py --model llama3-70b --gpus 256 --global-batch 512 --microbatch 16 \\
-        --tp 8 --pp 1 --cp 1 --dp 32 --shard 3 --recompute full --precision fp8 --json
+    python plan.py --model llama3-70b --gpus 256 --global-batch 512 --tp 8 --dp 32 --json
 
 The formulas, as the papers name them:
 - FLOPs (Narayanan et al. 2021, eq. 3): 6N a token for the matmuls (8N under full
@@ -154,9 +153,9 @@ def gpt_stage_shapes(layout, args):
     return shapes
 
 
-def formulas(layout, args, policy="reshard"):
+def formulas(layout, args, policy="keep"):
     """The bytes rank 0 sends a step in each mesh dimension of nd_parallel.py (pp, dp x cp:
-    FSDP's, cp, tp) for models.py's GPT in fp32: nd_costs.py's formulas, inputs and answer.
+    FSDP's, cp, tp) for models.py's GPT in fp32: the formulas benchmarks/nd_costs.py counts.
     policy, FSDP under a pipeline: "reshard" (a block gathered in each micro-batch's forward
     and once for the backwards; the embedding and head in the root, once) or "keep"
     (torchtitan's: under a pipeline no unit resharded after forward, one gather each a step;
@@ -178,7 +177,7 @@ def formulas(layout, args, policy="reshard"):
         gathered = whole + (blocks_w + w["embed.weight"] if pp == 1 else 0)
     else:  # (M + 1) W_blocks + W_root
         gathered = whole + micro * blocks_w
-    out["dp_cp"] = (n - 1) / n * (gathered + whole)  # and every gradient reduce-scattered
+    out["dp_shard_cp"] = (n - 1) / n * (gathered + whole)  # and every gradient reduce-scattered
     return out
 
 

@@ -22,7 +22,7 @@ every collective and point-to-point call of the last step, caught where every pa
 the functional collectives end there), booked to the mesh dimension of its process group, as
 the bytes a ring algorithm sends from each rank: all-reduce 2(n-1)/n of the tensor,
 all-gather n-1 times the piece, reduce-scatter (n-1)/n of the input, send the tensor. Beside
-them, each dimension's formula (formulas()).
+them, each dimension's formula (plan.formulas, which plan.py scales to any cluster).
 """
 
 import argparse
@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from sharding import local_bytes, resident_kb  # noqa: E402
+
+from plan import formulas  # noqa: E402  (the formulas, said once: plan.py)
 
 # Layouts of 8 processes: pp, cp, tp in {1, 2} with dp the rest; pp 4, tp 4, dp 4 x cp 2.
 LAYOUTS = [(pp, 8 // (pp * cp * tp), cp, tp) for pp in (1, 2) for cp in (1, 2) for tp in (1, 2)]
@@ -152,53 +154,6 @@ class Held:
         if entry[1] == 0:
             self.saved.live -= entry[0]
             del self.saved.refs[self.key]
-
-
-def stage_shapes(layout, args):
-    """{name: shape} of the parameters of stage 0 on a tensor-parallel rank, before FSDP cuts
-    them: q, k, v and fc1 cut by rows (output features), proj's and fc2's weights by columns."""
-    from models import GPT, keep_stage
-
-    pp, _, _, tp = layout
-    with torch.device("meta"):
-        gpt = GPT(256, args.seq_len, args.dim, args.depth, args.heads)
-    keep_stage(gpt, 0, args.depth // pp)
-    shapes = {}
-    for name, p in gpt.named_parameters():
-        shape = list(p.shape)
-        if any(f".{c}." in name for c in ("attn.q", "attn.k", "attn.v", "mlp.fc1")):
-            shape[0] //= tp
-        elif name.endswith(("attn.proj.weight", "mlp.fc2.weight")):
-            shape[1] //= tp
-        shapes[name] = torch.Size(shape)
-    return shapes
-
-
-def formulas(layout, args):
-    """The bytes rank 0 sends per step in each dimension, from the shapes: a = one step's
-    activations of a stage (b sequences of t tokens of d, fp32) on the data-parallel row of
-    rank 0; L the stage's blocks; W the stage's weights on rank 0 before FSDP cut them."""
-    pp, dp, cp, tp = layout
-    b, t, d = args.global_batch // dp, args.seq_len // cp, args.dim
-    a, blocks = b * t * d * 4, args.depth // pp
-    n = dp * cp
-    out = {"pp": a if pp > 1 else 0}  # stage 0 sends each micro-batch's output on
-    # Per block, 2 all-reduces of a in forward (attn.proj's, mlp.fc2's partial sums) and 2 in
-    # backward (the gradients of the input q, k and v share, and of fc1's).
-    out["tp"] = blocks * 4 * 2 * (tp - 1) / tp * a
-    # Per block, K and V (2 a / tp) all-gathered in forward, their gradients reduce-scattered.
-    out["cp"] = blocks * 2 * (cp - 1) * 2 * a / tp
-    # FSDP over n = dp x cp, its units the embedding, each block, the final norm with the head
-    # and the root (the positions): without a pipeline the embedding and the blocks are
-    # gathered for forward and again for backward (resharded between), the others once; under
-    # one every unit once a step (kept from the first micro-batch's forward to the last's
-    # backward); every gradient reduce-scattered once: (n-1)/n (gathered + W), each tensor
-    # padded to n equal shards of rows (positions, one row: n rows).
-    w = {k: 4 * -(-s[0] // n) * n * s[1:].numel() for k, s in stage_shapes(layout, args).items()}
-    whole = sum(w.values())
-    again = sum(b for k, b in w.items() if k.startswith(("blocks.", "embed.")))
-    out["dp_shard_cp"] = (n - 1) / n * (whole + (again if pp == 1 else 0) + whole)
-    return out
 
 
 def corpus(args):

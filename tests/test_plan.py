@@ -174,36 +174,37 @@ def test_bloom_tp8_ratio_and_ranking():
     assert steps[0] < steps[2] < steps[1], steps
 
 
-def test_byte_formulas_are_nd_costs_formulas():
-    """For every layout of nd_costs.py's cost table, plan.formulas (no torch) gives the bytes
-    per mesh dimension nd_costs.formulas does (counted at c10d to the byte: test_benchmarks)."""
-    pytest.importorskip("torch")
+def test_byte_formulas_read_the_shapes_nd_parallel_builds():
+    """plan.formulas, which nd_costs.py checks against the bytes counted at c10d to the byte
+    (its slow test in test_benchmarks.py), reads the shapes of stage 0 of models.GPT on a
+    tensor-parallel rank without torch: they are those the model built on the meta device has,
+    q, k, v and fc1 cut by rows, proj's and fc2's weights by columns; and under a pipeline
+    (torchtitan's policy) each byte is gathered once and reduce-scattered once a step."""
+    torch = pytest.importorskip("torch")
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import nd_costs
 
+    from models import GPT, keep_stage
+
+    assert nd_costs.formulas is plan.formulas
     args = types.SimpleNamespace(dim=256, depth=8, heads=4, seq_len=256, global_batch=8)
     for layout in nd_costs.LAYOUTS:
-        assert plan.formulas(layout, args) == nd_costs.formulas(layout, args), layout
-        # torchtitan's policy under a pipeline: each byte gathered once, reduce-scattered once
-        # (each tensor padded to n shards of rows: the positions' one row to n).
         pp, dp, cp, tp = layout
-        n, shapes = dp * cp, plan.gpt_stage_shapes(layout, args).values()
+        with torch.device("meta"):
+            gpt = keep_stage(GPT(256, args.seq_len, args.dim, args.depth, args.heads), 0, 8 // pp)
+        built = {}
+        for name, p in gpt.named_parameters():
+            shape = list(p.shape)
+            if any(f".{c}." in name for c in ("attn.q", "attn.k", "attn.v", "mlp.fc1")):
+                shape[0] //= tp
+            elif name.endswith(("attn.proj.weight", "mlp.fc2.weight")):
+                shape[1] //= tp
+            built[name] = tuple(shape)
+        assert plan.gpt_stage_shapes(layout, args) == built, layout
+        n, shapes = dp * cp, built.values()
         whole = 4 * sum(-(-s[0] // n) * n * math.prod(s[1:]) for s in shapes)
-        keep = plan.formulas(layout, args, "keep")["dp_cp"]
         if pp > 1:
-            assert keep == (n - 1) / n * 2 * whole, layout
-
-
-def test_nd_costs_counts_against_plans_formulas():
-    """The byte-for-byte check against the counted 8-process runs is nd_costs.py's own (its
-    slow test in test_benchmarks.py compares each counted dimension with the formula it
-    reports): it checks plan.py once nd_costs.py takes plan.py's formulas."""
-    pytest.importorskip("torch")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import nd_costs
-
-    if nd_costs.formulas is not plan.formulas:
-        pytest.skip("nd_costs.py does not import plan.py's formulas yet")
+            assert plan.formulas(layout, args)["dp_shard_cp"] == (n - 1) / n * 2 * whole, layout
 
 
 @pytest.mark.parametrize(
