@@ -312,9 +312,7 @@ def main(argv=None):
 
         # After the cut: this process's experts. Fused (fsdp_train.py): plain and DTensors apart.
         lr = args.lr * global_batch / 256
-        kinds = lambda ps: [[p for p in ps if isinstance(p, DTensor) == d] for d in (0, 1)]  # noqa: E731
-        groups = param_groups(model, args.weight_decay)
-        groups = [dict(g, params=ps) for g in groups for ps in kinds(g["params"]) if ps]
+        groups = param_groups(model, args.weight_decay, by_kind=True)
         optimizer = torch.optim.AdamW(groups, lr, betas=args.betas, fused=True)
 
         # Resume: rank 0 finds and checks the checkpoint; every rank reads its pieces (any degree).

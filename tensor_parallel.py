@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -187,9 +187,7 @@ def main(argv=None):
         lr = args.lr * global_batch / 256
         # Fused, as in fsdp_train.py. A fused call takes plain tensors or DTensors, not both
         # (TP alone keeps the embedding and head plain): a group of each.
-        groups = param_groups(model, args.weight_decay)
-        kinds = lambda ps: [[p for p in ps if isinstance(p, DTensor) == d] for d in (0, 1)]  # noqa: E731
-        groups = [dict(g, params=ps) for g in groups for ps in kinds(g["params"]) if ps]
+        groups = param_groups(model, args.weight_decay, by_kind=True)
         optimizer = torch.optim.AdamW(groups, lr, betas=args.betas, fused=True)
 
         # Resume, as in fsdp_train.py: rank 0 finds and checks the checkpoint; every rank reads

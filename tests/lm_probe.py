@@ -57,9 +57,9 @@ real_param_groups = module.param_groups
 order = []  # the model's parameters in its own order: a script may split AdamW's groups
 
 
-def param_groups(model, *args):
+def param_groups(model, *args, **kwargs):
     order[:] = list(model.parameters())
-    return real_param_groups(model, *args)
+    return real_param_groups(model, *args, **kwargs)
 
 
 def adamw(params, *args, **kwargs):
