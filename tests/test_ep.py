@@ -308,6 +308,7 @@ def build():  # 4 experts, top 2, room for every choice; the router picks expert
     torch.manual_seed(1)
     moe = ep.MoE(8, 4, 2, 4.0).eval()  # eval: no balancing loss, routing alone
     with torch.no_grad():
+        ep.init_weights(moe)  # the experts are drawn by name (with_experts does it in a model)
         w = moe.router.weight.abs_()
         w[2:] *= -1
     return moe
