@@ -261,6 +261,8 @@ def test_each_script_runs_from_a_copy_with_the_files_readme_names(script, tmp_pa
     env = clean_env()
     env.pop("PYTHONPATH", None)
     cmd = [sys.executable, script, *flags, "--output-dir", str(tmp_path / "out")]
+    if script == "plan.py":  # arithmetic: it writes nothing
+        cmd = cmd[:-2]
     if script == "ddp_mp_spawn.py":
         cmd += ["--nprocs", "1"]
     proc = communicate(popen(cmd, copy, env), timeout=300)
