@@ -310,10 +310,10 @@ def main(argv=None):
         with torch.device("meta"):  # a step's FLOPs: the dense model of the same compute
             flops = step_flops(dense(), sample.expand(global_batch, *sample.shape))
 
-        # After the cut: this process's experts. Fused (fsdp_train.py): plain and DTensors apart.
+        # After the cut: this process's experts. Not fused: plain tensors beside DTensors (see
+        # tensor_parallel.py).
         lr = args.lr * global_batch / 256
-        groups = param_groups(model, args.weight_decay, by_kind=True)
-        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas, fused=True)
+        optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr, betas=args.betas)
 
         # Resume: rank 0 finds and checks the checkpoint; every rank reads its pieces (any degree).
         state = dict(train=TrainState(model, optimizer))  # what DCP saves and loads

@@ -11,7 +11,6 @@ from collections import OrderedDict
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 
 def seed_everything(seed):
@@ -169,7 +168,7 @@ def sdpa_order(name, capability, cudnn):
 def attention_kernels(name, q):
     """A context that lets F.scaled_dot_product_attention on q use sdpa_order's kernels; on
     the CPU (its own kernels, every CPU figure as it was) and for "default", no change."""
-    if not q.is_cuda or name == "default":
+    if name == "default" or not (isinstance(q, torch.Tensor) and q.is_cuda):  # fx's Proxy: no
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -332,32 +331,21 @@ def generate(model, state=None, prompt="def ", length=300, temperature=0.8, seed
 MATRICES = (nn.Linear, nn.Conv2d)  # the layers whose weight decays
 
 
-def param_groups(model, weight_decay, by_kind=False):
+def param_groups(model, weight_decay):
     """AdamW's two groups, as GPT-2 is trained (nanoGPT's configure_optimizers): weight decay
     on the matrices that multiply activations (Linear and convolution weights; a module may
     name more in `decayed`, as expert_parallel.py's experts do), none on biases, norms, the
     embedding or the positions: decay pulls a weight towards 0, right for a matrix (a smaller
-    norm, a smoother function), wrong for a norm's scale (towards 0, not 1) or a table row.
-    by_kind: each group split into its plain tensors and its DTensors, as a fused AdamW step
-    takes one kind a call (tensor_parallel.py and expert_parallel.py keep some weights plain)."""
+    norm, a smoother function), wrong for a norm's scale (towards 0, not 1) or a table row."""
     decayed = set()
     for module in model.modules():
         names = getattr(module, "decayed", ("weight",) if isinstance(module, MATRICES) else ())
         decayed.update(id(getattr(module, name)) for name in names)
     params = list(model.parameters())
-    groups = [
+    return [
         dict(params=[p for p in params if id(p) in decayed], weight_decay=weight_decay),
         dict(params=[p for p in params if id(p) not in decayed], weight_decay=0.0),
     ]
-    if not by_kind:
-        return groups
-    split = []
-    for group in groups:
-        for dtensors in (False, True):
-            kind = [p for p in group["params"] if isinstance(p, DTensor) == dtensors]
-            if kind:
-                split.append(dict(group, params=kind))
-    return split
 
 
 MODELS = {"cnn": SmallCNN, "resnet18": resnet18_small, "mlp": MLP, "vit": ViT}

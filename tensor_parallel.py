@@ -185,10 +185,10 @@ def main(argv=None):
 
         # The optimizer, made after the split: it holds (and steps) this process's pieces.
         lr = args.lr * global_batch / 256
-        # Fused, as in fsdp_train.py. A fused call takes plain tensors or DTensors, not both
-        # (TP alone keeps the embedding and head plain): a group of each.
-        groups = param_groups(model, args.weight_decay, by_kind=True)
-        optimizer = torch.optim.AdamW(groups, lr, betas=args.betas, fused=True)
+        # Not fused: a fused step takes plain tensors or DTensors, not both (TP keeps the
+        # embedding and head plain), and a group of each would not load fsdp_train.py's
+        # checkpoints, whose two groups this script resumes (test_tp.py).
+        optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr, betas=args.betas)
 
         # Resume, as in fsdp_train.py: rank 0 finds and checks the checkpoint; every rank reads
         # the parts of the saved pieces that make up its own, at any degree (all participate).
