@@ -416,3 +416,17 @@ def text_flags(path, seq_len=32):
     96 (the images' shape, not the text default's), which their references build."""
     data = ["--data", "text", "--data-dir", str(path), "--seq-len", str(seq_len)]
     return [*data, "--model", "gpt", "--device", "cpu", "--dim", "96", "--depth", "4"]
+
+
+def tp_shapes(gpt, tp):
+    """{name: shape} of `gpt`'s parameters on a tensor-parallel rank, before FSDP cuts them, as
+    nd_parallel.py's TP cuts them: q, k, v and fc1 by rows, proj's and fc2's weights by columns."""
+    shapes = {}
+    for name, p in gpt.named_parameters():
+        shape = list(p.shape)
+        if any(f".{cut}." in name for cut in ("attn.q", "attn.k", "attn.v", "mlp.fc1")):
+            shape[0] //= tp
+        elif name.endswith(("attn.proj.weight", "mlp.fc2.weight")):
+            shape[1] //= tp
+        shapes[name] = tuple(shape)
+    return shapes

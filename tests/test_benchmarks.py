@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from conftest import ROOT, SYNTHETIC, read_metrics, run_python
+from conftest import ROOT, SYNTHETIC, read_metrics, run_python, tp_shapes
 
 import models
 
@@ -163,14 +163,9 @@ def test_nd_costs_counts_what_rank_0_holds_and_sends(tmp_path):
         with torch.device("meta"):
             gpt = models.keep_stage(models.GPT(256, 32, 32, 2, 4), 0, 2 // pp)
         numel = 0
-        for name, p in gpt.named_parameters():
-            shape = list(p.shape)
-            if any(f".{cut}." in name for cut in ("attn.q", "attn.k", "attn.v", "mlp.fc1")):
-                shape[0] //= tp
-            elif name.endswith(("attn.proj.weight", "mlp.fc2.weight")):
-                shape[1] //= tp
-            shape[0] = -(-shape[0] // (dp * cp))  # torch.chunk's first piece
-            numel += math.prod(shape)
+        for shape in tp_shapes(gpt, tp).values():
+            first = -(-shape[0] // (dp * cp))  # torch.chunk's first piece
+            numel += first * math.prod(shape[1:])
         tensors = len(list(gpt.parameters()))
         assert row["weights"] == row["grads"] == 4 * numel, row["layout"]
         assert row["optimizer"] == 2 * row["weights"] + 4 * tensors  # AdamW's step: fp32

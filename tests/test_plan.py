@@ -183,6 +183,7 @@ def test_byte_formulas_read_the_shapes_nd_parallel_builds():
     torch = pytest.importorskip("torch")
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import nd_costs
+    from conftest import tp_shapes
 
     from models import GPT, keep_stage
 
@@ -192,14 +193,7 @@ def test_byte_formulas_read_the_shapes_nd_parallel_builds():
         pp, dp, cp, tp = layout
         with torch.device("meta"):
             gpt = keep_stage(GPT(256, args.seq_len, args.dim, args.depth, args.heads), 0, 8 // pp)
-        built = {}
-        for name, p in gpt.named_parameters():
-            shape = list(p.shape)
-            if any(f".{c}." in name for c in ("attn.q", "attn.k", "attn.v", "mlp.fc1")):
-                shape[0] //= tp
-            elif name.endswith(("attn.proj.weight", "mlp.fc2.weight")):
-                shape[1] //= tp
-            built[name] = tuple(shape)
+        built = tp_shapes(gpt, tp)
         assert plan.gpt_stage_shapes(layout, args) == built, layout
         n, shapes = dp * cp, built.values()
         whole = 4 * sum(-(-s[0] // n) * n * math.prod(s[1:]) for s in shapes)
