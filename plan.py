@@ -40,15 +40,10 @@ PRESETS = {
     "llama3-405b": (126, 16384, 128, 8, 53248, 128256, 8192, "swiglu"),
     "gpt": (8, 256, 4, 4, 1024, 256, 256, "gelu"),  # nd_costs.py's GPT of models.py (bytes)
 }
-# Data sheets: dense TFLOP/s by precision, GiB, GB/s one way a GPU over NVLink and the
-# network (A100: NVLink 3, HDR 200 Gb/s; H100, H200: NVLink 4, NDR 400 Gb/s). Efficiency
-# constants, one set per GPU type, FITTED on the rows tests/plan_published.json marks (why
-# each, and h100's zeros: docs/plan.md): matmul, the fraction of the peak big matmuls reach;
-# small, matmul_rate's x0; reserve, what a run holds beyond the tensors counted, as a share of
-# them (CUDA context, NCCL's buffers, the caching allocator's cached blocks). Not fitted: link,
-# the fraction of a link a ring collective reaches (NCCL's bus-bandwidth tests: about 80%);
-# overlap, the share of a step's compute FSDP's gathers and a pipeline-free gradient
-# reduction hide behind; latency a call. h200: H100's constants, unchecked.
+# Data sheets: dense TFLOP/s by precision, GiB, GB/s one way a GPU over NVLink and the network.
+# One set of efficiency constants per GPU type (what each means, which rows fitted them, the
+# error on the others: docs/plan.md): matmul (of the peak), small (matmul_rate's x0), reserve
+# (beyond the tensors counted), link (of a link's bandwidth), overlap, latency (a call).
 H100 = dict(peak=dict(bf16=989, fp16=989, fp8=1979), nvlink=450, net=50, link=0.8, overlap=0.8,
             matmul=dict(bf16=0.362, fp16=0.362, fp8=0.359), latency=2e-5, small=0,
             reserve=0)  # fmt: skip
