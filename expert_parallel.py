@@ -62,7 +62,16 @@ from common import (
 from data import load_datasets, pad_batches, shard_loaders
 from models import build_model, generate, init_weights, initial_weights, param_groups
 from profiling import Profiler, flop_rates, step_flops
-from training import end_epoch, evaluate, log_loss, sharded_args, sharded_parser, warmup_decay
+from training import (
+    clip_grad_norm,
+    end_epoch,
+    evaluate,
+    fused_adamw,
+    log_loss,
+    sharded_args,
+    sharded_parser,
+    warmup_decay,
+)
 
 
 def get_args(argv=None):
@@ -245,21 +254,6 @@ def average_gradients(model, mesh, world):
             g.copy_(mean.view_as(g))
 
 
-@torch.no_grad()
-def clip_grad_norm(model, mesh, max_norm):
-    """Scale the gradients to a global norm of at most max_norm. The whole tensors' squares are
-    the same everywhere; the experts' summed over an EP group (each expert counted once)."""
-    whole, experts = split_grads(model)
-    squares = sum(g.float().square().sum() for g in experts)
-    if mesh is not None:
-        dist.all_reduce(squares, group=mesh["ep"].get_group())  # all ranks participate
-    total = (squares + sum(g.float().square().sum() for g in whole)).sqrt()
-    scale = (max_norm / (total + 1e-6)).clamp(max=1)
-    for g in whole + experts:
-        g.mul_(scale)
-    return total
-
-
 def main(argv=None):
     args = get_args(argv)
     require_torch("2.9", "expert_parallel.py")  # requirements.txt's floor
@@ -310,10 +304,9 @@ def main(argv=None):
         with torch.device("meta"):  # a step's FLOPs: the dense model of the same compute
             flops = step_flops(dense(), sample.expand(global_batch, *sample.shape))
 
-        # After the cut: this process's experts. Not fused: plain tensors beside DTensors (see
-        # tensor_parallel.py).
+        # After the cut: this process's experts. Fused, a call per kind (training.fused_adamw).
         lr = args.lr * global_batch / 256
-        optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr, betas=args.betas)
+        optimizer = fused_adamw(param_groups(model, args.weight_decay), lr, args.betas)
 
         # Resume: rank 0 finds and checks the checkpoint; every rank reads its pieces (any degree).
         state = dict(train=TrainState(model, optimizer))  # what DCP saves and loads
@@ -375,7 +368,7 @@ def main(argv=None):
                 # The rows each expert received from this process, and the choices dropped.
                 load += torch.stack([torch.cat([m.load, m.dropped[None]]) for m in moes])
                 if args.clip_grad > 0:
-                    clip_grad_norm(model, mesh, args.clip_grad)
+                    clip_grad_norm(list(model.parameters()), args.clip_grad)  # as in TP
                 optimizer.step()  # the whole tensors, and this process's experts
                 optimizer.zero_grad(set_to_none=True)
                 lr_now = scheduler.get_last_lr()[0]  # this step's rate (logged; the epoch's last)

@@ -324,7 +324,8 @@ def setup(args, info):
             gpt = GPT(256, args.seq_len, args.dim, args.depth, args.heads)
             run.flops = step_flops(gpt, run.train_set[0][0].expand(run.global_batch, -1))
     run.lr = args.lr * run.global_batch / 256
-    run.optimizer = adamw(run.model, run.lr, args, device)
+    groups = param_groups(run.model, args.weight_decay)  # this process's pieces, each kind fused
+    run.optimizer = training.fused_adamw(groups, run.lr, args.betas)
     # Resume (all ranks participate): rank 0 checks the checkpoint against the whole model;
     # each rank reads its own pieces by the whole model's names, whatever layout saved them.
     run.state = dict(train=checkpoint.TrainState(run.model, run.optimizer))
@@ -336,15 +337,6 @@ def setup(args, info):
     run.step = checkpoint.resume_step(args, run.optimizer, meta, run.resume, progress, device)
     run.scheduler = training.warmup_decay(run.optimizer, args.warmup, steps, run.step, args.decay)
     return run
-
-
-def adamw(model, lr, args, device):
-    """Made after the cuts: it steps this process's pieces, fused on CUDA (nanoGPT's, torchtitan's)
-    or foreach, where they are of one kind (plain, or DTensors of one mesh); mixed: one by one."""
-    fast = dict(fused=True) if device.type == "cuda" else dict(foreach=True)
-    if len({getattr(p, "device_mesh", None) for p in model.parameters()}) > 1:
-        fast = dict(foreach=False)  # CUDA's default would try foreach, and fail
-    return torch.optim.AdamW(param_groups(model, args.weight_decay), lr, betas=args.betas, **fast)
 
 
 def forward_backward(run, inputs, labels):

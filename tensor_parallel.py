@@ -63,6 +63,7 @@ from training import (
     clip_grad_norm,
     end_epoch,
     evaluate,
+    fused_adamw,
     log_loss,
     sharded_args,
     sharded_parser,
@@ -185,10 +186,8 @@ def main(argv=None):
 
         # The optimizer, made after the split: it holds (and steps) this process's pieces.
         lr = args.lr * global_batch / 256
-        # Not fused: a fused step takes plain tensors or DTensors, not both (TP keeps the
-        # embedding and head plain), and a group of each would not load fsdp_train.py's
-        # checkpoints, whose two groups this script resumes (test_tp.py).
-        optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr, betas=args.betas)
+        # Fused, a call per kind: the embedding and head stay plain (training.fused_adamw).
+        optimizer = fused_adamw(param_groups(model, args.weight_decay), lr, args.betas)
 
         # Resume, as in fsdp_train.py: rank 0 finds and checks the checkpoint; every rank reads
         # the parts of the saved pieces that make up its own, at any degree (all participate).

@@ -207,6 +207,32 @@ def settle_partial(params):
             p.grad = DTensor.from_local(local, mesh, whole, shape=p.shape, stride=p.stride())
 
 
+def fused_adamw(groups, lr, betas):
+    """torch's AdamW, fused (one kernel over many tensors: nanoGPT's and torchtitan's choice on
+    CUDA; on the CPU it took under half foreach's time, benchmarks/adamw_cpu.py), also where a
+    process holds plain tensors beside DTensors (tensor_parallel.py keeps the embedding and head
+    whole; torchtitan makes every weight a DTensor instead). One fused call takes one kind,
+    plain or DTensors of one mesh: for each step the groups are split by kind, then joined. They
+    stay as given otherwise (models.param_groups' two), so a checkpoint loads at every layout
+    and from fsdp_train.py, whose groups hold DTensors only."""
+    optimizer = torch.optim.AdamW(groups, lr, betas=betas, fused=True)
+
+    def split(optimizer, *_):  # before each step
+        whole, kinds = optimizer.param_groups, {}
+        for i, group in enumerate(whole):
+            for p in group["params"]:
+                kinds.setdefault((i, getattr(p, "device_mesh", None)), []).append(p)
+        optimizer.param_groups = [dict(whole[i], params=ps) for (i, _), ps in kinds.items()]
+        optimizer.whole_groups = whole
+
+    def join(optimizer, *_):  # after it
+        optimizer.param_groups = optimizer.whole_groups
+
+    optimizer.register_step_pre_hook(split)
+    optimizer.register_step_post_hook(join)
+    return optimizer
+
+
 def amp_note(amp, device):
     """One line, on rank 0, where --amp runs but slowly on this device: fp16 on a CPU, and
     bf16 on a GPU before Ampere (compute capability 8.0), which emulates it without a word."""

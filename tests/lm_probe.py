@@ -65,6 +65,7 @@ def param_groups(model, *args, **kwargs):
 def adamw(params, *args, **kwargs):
     optimizer = real_adamw(params, *args, **kwargs)
     seen["betas"] = [tuple(group["betas"]) for group in optimizer.param_groups]
+    seen["fused"] = optimizer.defaults["fused"]
 
     def before_step(optimizer, *_):
         seen["grads"].append([whole(p.grad).clone() for p in order])

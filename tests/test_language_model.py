@@ -314,6 +314,7 @@ def test_text_runs_take_gpt3s_betas_by_default(dense, moe):
     and context_parallel.py take fsdp_train.py's steps: their parity tests)."""
     for report, *_ in (dense, moe):
         assert report["betas"] == [(0.9, 0.95), (0.9, 0.95)]
+        assert report["fused"] is True  # and AdamW fused: one kernel over many tensors
 
 
 def test_text_runs_decay_the_rate_in_a_straight_line_by_default(dense, moe):

@@ -138,6 +138,7 @@ def assert_same_steps(got, reference, dp=1):
 def test_tp2_takes_the_steps_of_one_process(tp2, reference):
     assert_same_steps(tp2, reference)
     seen, out = tp2
+    assert seen["fused"] is True  # AdamW: one kernel for the DTensors, one for the rest
     assert read_metrics(out)[-1].keys() >= METRIC_KEYS | {"step", "world_size"}
     exported = torch.load(out.parent / "exported.pt", weights_only=True)
     assert exported.keys() == whole(out).keys()
@@ -353,3 +354,47 @@ def test_warmup_decay_rises_to_the_peak_then_decays_to_zero(decay):
     done = [k / 8 for k in range(9)]  # steps 2..10: the fraction of the decay done
     shape = [1 - d if decay == "linear" else 0.5 * (1 + math.cos(math.pi * d)) for d in done]
     assert rates[2:] == pytest.approx(shape, abs=1e-12) and rates[-1] == 0
+
+
+FUSED = """
+import json, torch, torch.distributed as dist, torch.nn as nn
+import common, models, training
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+dist.init_process_group("gloo")
+mesh, calls, real = init_device_mesh("cpu", (2,)), [], torch._fused_adamw_
+torch._fused_adamw_ = lambda params, *a, **k: (calls.append(len(params)), real(params, *a, **k))
+def build():  # a split pair (DTensors) and a whole norm (plain), as TP leaves them
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8), nn.LayerNorm(8))
+one, split = build(), build()  # each TP-split: the same sums, only the optimizer differs
+for model in (one, split):
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+ref = torch.optim.AdamW(models.param_groups(one, 0.1), 0.1, foreach=False)  # tensor by tensor
+fused = training.fused_adamw(models.param_groups(split, 0.1), 0.1, (0.9, 0.999))
+for step in range(3):
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+    for model, optimizer in ((one, ref), (split, fused)):
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        optimizer.param_groups[1]["lr"] = 0.05 / (step + 1)  # as a schedule sets it
+whole = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t
+pairs = zip(split.parameters(), one.parameters())
+worst = max((whole(p) - whole(q)).abs().max().item() for p, q in pairs)
+groups = [len(g["params"]) for g in fused.state_dict()["param_groups"]]
+if dist.get_rank() == 0:
+    print(json.dumps(dict(worst=worst, calls=calls, groups=groups)))
+common.cleanup()
+"""
+
+
+def test_fused_adamw_steps_each_kind_in_one_call_and_keeps_the_groups():
+    """training.fused_adamw over a split pair (DTensors) and a whole norm (plain tensors): one
+    fused call per group and kind (3 a step: decayed DTensors; undecayed DTensors; undecayed
+    plain), the steps of torch's AdamW tensor by tensor on the same split model, a rate set
+    between steps obeyed, and param_groups' two groups as saved."""
+    out = last_json(torchrun_workers(2, ["-c", FUSED]).stdout)
+    assert out["calls"] == [2, 2, 2] * 3, out  # weights; biases; the norm's weight and bias
+    assert out["groups"] == [2, 4], out
+    assert out["worst"] < 1e-5, out  # fused and per-tensor round alike to a few ulps

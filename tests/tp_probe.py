@@ -68,6 +68,7 @@ real_adamw = torch.optim.AdamW
 def adamw(params, *args, **kwargs):
     optimizer = real_adamw(params, *args, **kwargs)
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    seen["fused"] = optimizer.defaults["fused"]
     names = {id(p): n for n, p in model_params[-1]} if model_params else {}
 
     def before_step(optimizer, *_):
