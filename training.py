@@ -368,7 +368,12 @@ def pipeline_schedule(schedule, stages, microbatches, loss_fn):
     """torch.distributed.pipelining's `schedule` over this process's stages (PipelineStages).
     It cuts each batch into micro-batches, takes loss_fn (a mean) of each, and divides the
     summed gradients by their number: the whole batch's mean gradient."""
+    import torch._functorch.config
     import torch.distributed.pipelining as pipelining
 
     kind = getattr(pipelining, PIPELINE_SCHEDULES[schedule])
+    if schedule in ("interleaved-zb", "zbv", "dualpipev"):
+        # Their backward comes in two: the inputs' gradients, the graph kept, then the weights'.
+        # A compiled block (--compile) must keep what its backward reads till the second.
+        torch._functorch.config.donated_buffer = False
     return kind(stages[0] if schedule in ("gpipe", "1f1b") else stages, microbatches, loss_fn)

@@ -15,7 +15,8 @@ end, so these are also what its checkpoint holds) and after a checkpoint is read
 elements of the parameters (the pieces) this rank holds. The 300-byte sample rank 0 draws at
 the end is skipped (0.6 s of a layout's 10 here, while the other ranks wait): nothing reads it.
 Per step also the collectives the gradient clipping called (benchmarks/nd_costs.py's count at
-c10d's operators), by operator.
+c10d's operators), by operator, and the bytes the step's forward and backward sent, by mesh
+dimension; and whether AdamW steps fused.
 """
 
 import os
@@ -33,6 +34,7 @@ reports, global_batch, *layouts = sys.argv[1 : sys.argv.index("--")]
 argv = sys.argv[sys.argv.index("--") + 1 :]
 seen = {}
 names = ("log_loss", "end_epoch", "clip_grad_norm")
+real_forward_backward = module.forward_backward
 real = {name: getattr(module.training, name) for name in names} | dict(
     param_groups=module.param_groups, export_whole=module.checkpoint.export_whole
 )
@@ -55,6 +57,7 @@ def param_groups(stage, weight_decay):
 def adamw(groups, *args, **kwargs):
     optimizer = real_adamw(groups, *args, **kwargs)
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    seen["fused"] = optimizer.defaults["fused"]
 
     def before_step(optimizer, *_):
         names = model["names"]
@@ -72,6 +75,16 @@ def log_loss(*args):
 def end_epoch(metrics, record):
     seen["records"].append(record)
     return real["end_epoch"](metrics, record)
+
+
+def forward_backward(*args):  # the bytes a step's forward and backward send, by mesh dimension
+    sent.reset()
+    sent.on, sent.label = True, None
+    try:
+        return real_forward_backward(*args)
+    finally:
+        sent.on = False
+        seen["sent"].append(sent.bytes)
 
 
 def clip_grad_norm(*args):
@@ -114,6 +127,7 @@ module.param_groups, module.training.log_loss = param_groups, log_loss
 module.training.end_epoch = end_epoch
 module.parallelize, module.checkpoint.export_whole = parallelize, export_whole
 module.training.clip_grad_norm, sent = clip_grad_norm, Sent()
+module.forward_backward = forward_backward
 module.generate = lambda *args: ""  # the sample: rank 0's 300 forward passes, read by no test
 torch.optim.AdamW = adamw
 module.dcp = type(module.dcp)("dcp")
@@ -125,7 +139,7 @@ try:
         layout, *extra = spec.split(":")
         pp, dp, cp, tp, *steps = layout.split(",")
         seen.clear()
-        seen.update(losses=[], grads=[], records=[], clip=[])
+        seen.update(losses=[], grads=[], records=[], clip=[], sent=[])
         flags = ["--pp", pp, "--dp", dp, "--cp", cp, "--tp", tp, "--log-every", "1"]
         flags += ["--batch-size", str(int(global_batch) // int(dp))]
         folder = os.path.join(reports, spec)  # a layout with STEPS: the shared one

@@ -732,9 +732,10 @@ def test_gpt_every_schedule_on_four_processes_takes_one_process_steps(
 @needs_2_10
 @pytest.mark.skipif(not shutil.which("gcc"), reason="torch.compile on the CPU needs gcc")
 def test_gpt_compiled_blocks_on_two_processes_take_one_process_steps(gpt_one, tmp_path, small_text):
-    """--compile (each block compiled on its own, inside the pipeline's stages): 1F1B on 2
-    processes takes the uncompiled one process's steps, within the same tolerances."""
-    reports = gpt_probe(tmp_path, small_text, 2, ["1f1b"], flags=["--compile"])
+    """--compile (each block compiled on its own, inside the pipeline's stages): 1F1B and zbv
+    (zero bubble: each backward in two, the inputs' gradients first) on 2 processes take the
+    uncompiled one process's steps, within the same tolerances."""
+    reports = gpt_probe(tmp_path, small_text, 2, ["1f1b", "zbv"], flags=["--compile"])
     check_schedules(reports, gpt_one, small_text)
     for rank in range(2):  # the blocks ran compiled: graphs were made on each rank
         assert torch.load(tmp_path / f"1f1b.rank{rank}.pt")["compiled"] > 0, rank

@@ -42,6 +42,7 @@ PS = ":--pipeline-schedule="  # nd_probe.py: the flags after a layout
 FOUR = [f"2,1,1,2{SP}", "1,2,2,1", f"2,1,1,2{PS}interleaved-1f1b", f"2,1,2,1{PS}interleaved-zb"]
 SAVE4, RESUME4 = f"2,2,1,1,2{PS}dualpipev", f"2,1,1,2,3{PS}interleaved-1f1b"
 QUICK = f"2,2,1,1{PS}zbv"
+BF16 = f"2,1,1,2{SP}:--amp=bf16"  # beside FOUR's first, which is the same in fp32
 
 
 def probe(nproc, reports, corpus, specs, timeout=600):
@@ -164,6 +165,7 @@ def test_a_pipeline_in_a_v_over_fsdp_takes_the_steps_of_one_process(tmp_path, sm
     got = report(tmp_path, QUICK)
     print("worst gradient difference / norm:", assert_same_steps(got, one))
     assert_one_reduction_a_dimension(got, QUICK)
+    assert got["fused"] is True  # AdamW: one kernel over this process's pieces
     # The FLOPs of a step, rank 0's count (the others skip it): the whole model's on the global
     # batch, whatever the layout, as one process counts them.
     flops = [r["records"][-1] for r in (got, one)]
@@ -176,8 +178,14 @@ def test_four_processes_take_the_steps_of_one_process(tmp_path, small_text, one)
     """pp 2 x tp 2 with sequence parallelism and dp 2 x cp 2 (1F1B); then schedules of several
     stages per process (4 stages of one block): interleaved 1F1B at pp 2 x tp 2, interleaved
     zero bubble at pp 2 x cp 2, dualpipev at pp 2 x dp 2."""
-    probe(4, tmp_path, small_text, [*FOUR, SAVE4, RESUME4])
+    probe(4, tmp_path, small_text, [*FOUR, SAVE4, RESUME4, BF16])
     worst = {spec: assert_same_steps(report(tmp_path, spec), one) for spec in FOUR}
+    # --amp bf16 at pp 2 x tp 2 (SP): the stages' sends and the tokens' gathers in bf16
+    fp32, bf16 = (report(tmp_path, spec) for spec in (FOUR[0], BF16))
+    for a, b in zip(fp32["sent"][1:], bf16["sent"][1:], strict=True):  # 1: shape inference
+        assert b["pp"] * 2 == a["pp"]  # activations forward, their gradients back: all bf16
+        assert b["tp"] < 0.6 * a["tp"]  # rank 0 (stage 0): all but the first block's input
+    assert bf16["losses"] == pytest.approx(fp32["losses"], rel=2e-2)
     for spec in [*FOUR, SAVE4, RESUME4]:
         assert_one_reduction_a_dimension(report(tmp_path, spec), spec)
     saved, resumed = report(tmp_path, SAVE4), report(tmp_path, RESUME4)
@@ -192,9 +200,11 @@ def test_four_processes_take_the_steps_of_one_process(tmp_path, small_text, one)
 @pytest.mark.skipif(not shutil.which("gcc"), reason="inductor compiles C++ on the CPU: no gcc")
 def test_compiled_blocks_take_the_steps_of_one_process(tmp_path, small_text, one):
     """--compile (each block through torch.compile, inductor's C++ on the CPU) at 2 processes,
-    composed with FSDP (dp 2), TP (tp 2) and a pipeline (pp 2), each against the uncompiled
+    composed with FSDP (dp 2), TP (tp 2) and a pipeline (pp 2; 1F1B and zbv, whose backward
+    takes the inputs' gradients first, the weights' later), each against the uncompiled
     process. Minutes: the first compile of each block's graph (on a loaded 2-core machine)."""
     specs = [f"{layout}:--compile" for layout in ("1,2,1,1", "1,1,1,2", "2,1,1,1")]
+    specs.append(f"2,1,1,1:--compile{PS}zbv")  # zero bubble: each block's backward in two
     probe(2, tmp_path, small_text, specs, timeout=1500)
     worst = {spec: assert_same_steps(report(tmp_path, spec), one) for spec in specs}
     print("worst gradient difference / norm:", worst)
