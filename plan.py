@@ -338,7 +338,7 @@ def get_args(argv=None):
     add("--shard", type=int, choices=[0, 1, 2, 3], help="ZeRO stage, 3 FSDP (default: searched)")
     add("--pipeline-schedule", choices=SCHEDULES, help="model_parallel.py's (default: searched)")
     add("--stages-per-rank", type=int, help="stages a pipeline rank holds (interleaved: 2)")
-    add("--recompute", choices=["none", "selective", "op", "full"], help="op: torchtitan's")
+    add("--recompute", choices=["none", "selective", "op", "full"], help="op: torchtitan's policy")
     add("--precision", choices=["bf16", "fp16", "fp8", "fp32"], default="bf16", help="matmuls'")
     sp = "norms and residuals cut over tp too (Korthikanti et al. 2022)"
     add("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True, help=sp)
