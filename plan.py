@@ -17,10 +17,9 @@ The formulas, as the papers name them:
 - Activations (Korthikanti et al. 2022, section 4): per block and micro-batch, s b h words
   of what backward needs, never the s^2 scores (a fused attention: what their selective
   recomputation removes); full recomputation keeps each block's input and one block's set.
-- Model states (Rajbhandari et al. 2020): 2 bytes of 16-bit weights, gradients (2 in fp16,
-  as the paper; 4 in bf16: an fp32 gradient, as Megatron and FSDP keep) and 12 of fp32
-  master weights, momentum and variance; ZeRO stage 1 shards the 12 over data parallelism,
-  2 the gradients too, 3 (FSDP) everything: 16 bytes a parameter over the shards.
+- Model states (Rajbhandari et al. 2020): 2 bytes of 16-bit weights, gradients (2 in fp16;
+  4 in bf16: fp32, as Megatron and FSDP keep) and 12 of fp32 master weights, momentum and
+  variance; ZeRO 1 shards the 12 over data parallelism, 2 the gradients too, 3 (FSDP) all.
 Communication: a collective's bytes as a ring sends them, over the link its group crosses
 (the mesh tp, cp, dp, pp from the inside out: consecutive GPUs share a node), and a latency.
 """
@@ -40,20 +39,19 @@ PRESETS = {
     "llama3-405b": (126, 16384, 128, 8, 53248, 128256, 8192, "swiglu"),
     "gpt": (8, 256, 4, 4, 1024, 256, 256, "gelu"),  # nd_costs.py's GPT of models.py (bytes)
 }
-# Data sheets: dense TFLOP/s by precision, GiB, GB/s one way a GPU over NVLink and the network.
-# One set of efficiency constants per GPU type (what each means, which rows fitted them, the
-# error on the others: docs/plan.md): matmul (of the peak), small (matmul_rate's x0), reserve
-# (beyond the tensors counted), link (of a link's bandwidth), overlap, latency (a call).
-H100 = dict(peak=dict(bf16=989, fp16=989, fp8=1979), nvlink=450, net=50, link=0.8, overlap=0.8,
-            matmul=dict(bf16=0.362, fp16=0.362, fp8=0.359), latency=2e-5, small=0,
-            reserve=0)  # fmt: skip
+# Data sheets: dense TFLOP/s, GiB, GB/s one way a GPU (NVLink, network) and HBM's. Efficiency
+# constants, one set a GPU type (docs/plan.md: each, the rows that fitted it): matmul, small
+# (matmul_rate's x0), reserve (beyond the tensors counted), link, overlap, latency (a call).
+H100 = dict(peak=dict(bf16=989, fp16=989, fp8=1979), nvlink=450, net=50, hbm=3350, link=0.8,
+            matmul=dict(bf16=0.367, fp16=0.367, fp8=0.359), latency=2e-5, small=0,
+            overlap=0.8, reserve=0.154)  # fmt: skip
 GPUS = {
-    "a100": dict(peak=dict(bf16=312, fp16=312), mem=80, nvlink=300, net=25,
-                 matmul=dict(bf16=0.663, fp16=0.663), link=0.8, overlap=0.8, latency=2e-5,
-                 small=1.9e6, reserve=0.31),
+    "a100": dict(peak=dict(bf16=312, fp16=312), mem=80, nvlink=300, net=25, hbm=2039,
+                 matmul=dict(bf16=0.656, fp16=0.656), link=0.8, overlap=0.8, latency=2e-5,
+                 small=1.7e6, reserve=0.31),
     "h100": dict(H100, mem=80),
-    "h200": dict(H100, mem=141),
-    "cpu": dict(peak=dict(fp32=1, bf16=1), mem=24, nvlink=5, net=5, matmul=dict(fp32=0.5,
+    "h200": dict(H100, mem=141, hbm=4800),
+    "cpu": dict(peak=dict(fp32=1, bf16=1), mem=24, nvlink=5, net=5, hbm=50, matmul=dict(fp32=0.5,
                 bf16=0.5), link=0.5, overlap=0.0, latency=1e-4, small=0, reserve=0),  # a guess
 }  # fmt: skip
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
@@ -81,8 +79,7 @@ def model_flops_per_token(m):
 
 def matmul_rate(hw, prec, h, tp):
     """FLOP/s a GPU's matmuls reach: the peak x the fraction big ones reach x x / (x + x0),
-    x = h^2 / tp, one h x h matrix on a GPU: small ones fill fewer of its units, and the work
-    outside matmuls (norms, residuals, softmax, GELU) grows as h against their h^2."""
+    x = h^2 / tp, an h x h matrix on a GPU: small ones fill fewer of its units."""
     x = h * h / tp
     return hw["peak"][prec] * 1e12 * hw["matmul"][prec] * x / (x + hw["small"])
 
@@ -116,8 +113,7 @@ def bubble(schedule, micro, pp, per_rank):
 
 
 def model_state_bytes(params, stage, n, precision):
-    """ZeRO's model states a GPU holds for `params` parameters over n data-parallel shards:
-    (weights, gradients, optimizer) in bytes."""
+    """ZeRO's (weights, gradients, optimizer) bytes a GPU holds of `params` over n shards."""
     # fp32 (this project's CPU runs), FSDP in bf16: fp32 weights (the master), gradients, AdamW
     if precision == "fp32" or (stage == 3 and precision != "fp16"):
         w, g, o = 4, 4, 8
@@ -127,9 +123,8 @@ def model_state_bytes(params, stage, n, precision):
 
 
 def gpt_stage_shapes(layout, args):
-    """{name: shape} of stage 0 of models.py's GPT (256 bytes, learned positions, GELU MLP of
-    4 dim) on a tensor-parallel rank, before FSDP cuts them, without torch: q, k, v and fc1
-    cut by rows, proj's and fc2's weights by columns (nd_costs.stage_shapes' answer)."""
+    """{name: shape} of stage 0 of models.py's GPT on a tensor-parallel rank, without torch: q,
+    k, v and fc1 cut by rows, proj's and fc2's weights by columns (nd_costs.stage_shapes')."""
     pp, _, _, tp = layout
     d, c = args.dim, args.dim // tp
     shapes = {"embed.weight": (256, d), "pos": (1, args.seq_len, d)}
@@ -150,11 +145,10 @@ def gpt_stage_shapes(layout, args):
 
 def formulas(layout, args, policy="keep"):
     """The bytes rank 0 sends a step in each mesh dimension of nd_parallel.py (pp, dp x cp:
-    FSDP's, cp, tp) for models.py's GPT in fp32: the formulas benchmarks/nd_costs.py counts.
-    policy, FSDP under a pipeline: "reshard" (a block gathered in each micro-batch's forward
-    and once for the backwards; the embedding and head in the root, once) or "keep"
-    (torchtitan's: under a pipeline no unit resharded after forward, one gather each a step;
-    the embedding and the final norm with the head units of their own)."""
+    FSDP's, cp, tp) for models.py's GPT in fp32, as benchmarks/nd_costs.py counts them. FSDP
+    under a pipeline: "reshard" (a block gathered in each micro-batch's forward and once for
+    the backwards, the embedding and head in the root) or "keep" (torchtitan's: one gather a
+    step; the embedding and the final norm with the head units of their own)."""
     pp, dp, cp, tp = layout
     b, t, d = args.global_batch // dp, args.seq_len // cp, args.dim
     a, blocks, n = b * t * d * 4, args.depth // pp, dp * cp
@@ -203,35 +197,41 @@ def check(m, hw, lay, batch, microbatch):
 
 
 def evaluate(m, hw, lay, batch, microbatch, policy="keep"):
-    """Memory per GPU (the fuller of the first and last pipeline ranks) and a step's time
-    (the slower one's) of one layout: a dict of the parts."""
+    """Memory per GPU (the fuller of the first, last pipeline rank), step time (the slower's)."""
     check(m, hw, lay, batch, microbatch)
     tp, pp, cp, dp, shard, rec, prec = (lay[k] for k in ("tp", "pp", "cp", "dp", "shard",
                                                         "recompute", "precision"))  # fmt: skip
     sched, v, sp = lay["schedule"], lay["per_rank"] if pp > 1 else 1, lay["sp"] or tp == 1
     h, s, vocab, n, lat = m["dim"], m["seq_len"], m["vocab"], dp * cp, hw["latency"]
 
-    def link(span):  # bytes/s one way a GPU reaches in a group within `span` GPUs
-        return hw["nvlink" if span <= hw["gpus_per_node"] else "net"] * 1e9 * hw["link"]
+    def link(stride, size):  # bytes/s one way a ring of `size` GPUs `stride` apart reaches
+        k = hw["gpus_per_node"] // stride  # its members a node: across nodes, k GPUs' network
+        bw = hw["nvlink"] if stride * size <= hw["gpus_per_node"] else hw["net"] * max(1, k)
+        return min(bw, hw["nvlink"]) * 1e9 * hw["link"]
 
     word = 4 if prec == "fp32" else 2  # bytes of an activation, of a gathered weight
     micro, tokens = batch // dp // microbatch, microbatch * s // cp  # a micro-batch's, a GPU's
     bp, blocks = block_params(m), stage_blocks(m["layers"], pp * v)
     # Korthikanti's words a block keeps, over s b h: attention's norm input, q k v input, q,
     # k, v, output; the MLP's norm input, fc1 input, 2 (GELU) or 3 (SwiGLU) ffn-wide tensors.
-    kv = m["kv_heads"] / m["heads"]
-    c = 6 + 2 * kv + (3 if m["mlp"] == "swiglu" else 2) * m["ffn"] / h
-    kept = {"full": 1 / tp if sp else 1}.get(rec, c / tp if sp else 4 + (c - 4) / tp)
+    # "op", torchtitan's op-level selective recomputation: input, q, v, attention, fc1/gate, down
+    kv, swiglu, f = m["kv_heads"] / m["heads"], m["mlp"] == "swiglu", m["ffn"] / h
+    c, op = 6 + 2 * kv + (2 + swiglu) * f, 3 + kv + f + swiglu
+    kept = {"full": 1, "op": op}.get(rec, c)
+    kept = kept / tp if sp else {"full": 1, "op": 2 + (op - 2) / tp}.get(rec, 4 + (c - 4) / tp)
     kept += (rec != "full") * 2 * kv * (cp - 1) / tp  # context parallelism's gathered K, V
     rate = matmul_rate(hw, prec, h, tp)
-    mm, attn = 2 * (bp - 4 * h), 4 * h * s  # a token's forward FLOPs in a block
-    again = {"none": 0, "selective": attn, "full": mm + attn}[rec]  # recomputed
+    mm, attn = 2 * (bp - 4 * h), 4 * h * s  # a token's forward FLOPs in a block; recomputed:
+    again = {"none": 0, "selective": attn, "op": 2 * h * h * (1 + kv + f), "full": mm + attn}[rec]
     t_block = tokens * (3 * (mm + attn) + again) / tp / rate
-    ar = 2 * (tp - 1) / tp * tokens * h * word / link(tp) + lat  # one all-reduce
+    # Without sequence parallelism each TP rank repeats norms and residual adds (docs/plan.md)
+    elementwise = (1 - 1 / tp) * tokens * 12 * h * word * (3 + (rec == "full")) / hw["hbm"]
+    t_block += (not sp) * elementwise / 1e9 / hw["link"]
+    ar = 2 * (tp - 1) / tp * tokens * h * word / link(1, tp) + lat  # one all-reduce
     t_tp = (4 + 2 * (rec == "full")) * ar if tp > 1 else 0.0
-    gather = (cp - 1) * 2 * tokens * h * kv / tp * word / link(tp * cp) + lat
+    gather = (cp - 1) * 2 * tokens * h * kv / tp * word / link(tp, cp) + lat
     t_cp = (2 + (rec == "full")) * gather if cp > 1 else 0.0
-    send = tokens * h * word / (tp if sp else 1) / link(tp * cp * dp * pp) + lat
+    send = tokens * h * word / (tp if sp else 1) / link(tp * cp * dp, pp) + lat
     ranks = []
     for r in sorted({0, pp - 1}):  # the first and the last pipeline rank: embedding, head
         ids = rank_stages(sched, r, pp, v)
@@ -242,11 +242,10 @@ def evaluate(m, hw, lay, batch, microbatch, policy="keep"):
                      tp=nb * t_tp, cp=nb * t_cp, pp=2 * v * send * (pp > 1))  # fmt: skip
         states = model_state_bytes(params, shard, n, prec)
         act = kept * nb * in_flight(sched, micro, pp, v) ** (r == 0) * tokens * h * word
-        act += (rec == "full") * c / tp * tokens * h * word  # one block recomputed at a time
-        act += head * tokens * vocab / tp * (word + 4)  # logits, fp32 log-probabilities
-        # FSDP gathers a block and prefetches the next; torchtitan's policy under a pipeline
-        # keeps them all gathered, and their unsharded gradients until the step's end. ZeRO
-        # 0-2: the gradient reduction's buckets, about two blocks' fp32 gradients.
+        act += {"full": c, "op": c - op}.get(rec, 0) / tp * tokens * h * word  # one recomputed
+        act += head * tokens * vocab / tp * 12  # fp32 log-probabilities, theirs, logits' grads
+        # FSDP gathers a block and prefetches the next (torchtitan's under a pipeline: all, and
+        # their gradients, to the step's end); ZeRO 0-2 reduces buckets of two blocks' fp32.
         keep = shard == 3 and policy == "keep" and pp > 1
         buf = (nb * 2 * word if keep else 2 * (word if shard == 3 else 4)) * bp / tp
         mem = dict(zip(SPLIT, (*states, act, buf), strict=True))
@@ -255,13 +254,12 @@ def evaluate(m, hw, lay, batch, microbatch, policy="keep"):
     slow = max(ranks, key=lambda x: sum(x["parts"].values()))
     compute = micro * sum(slow["parts"].values())
     pipe = compute / (1 - bubble(sched, micro, pp, v))
-    # Data parallelism over dp x cp: ZeRO 0 all-reduces the gradients; 1 and 2 reduce-scatter
-    # them and all-gather the new 16-bit weights; 3 (FSDP) gathers the weights before each use
-    # (a micro-batch's forward and backward, or once a step where kept), reduce-scatters once.
+    # Over dp x cp ZeRO 0 all-reduces gradients; 1, 2 reduce-scatter them, gather 16-bit weights;
+    # 3 (FSDP) gathers weights before each use (or once a step where kept), reduce-scatters.
     p, grad = ranks[0]["params"], 2 if prec == "fp16" else 4
     gathers = 1 if policy == "keep" and pp > 1 else (micro + 1 if pp > 1 else 2 * micro)
     dp_bytes = {0: 2 * p * grad, 3: p * (gathers * word + grad)}.get(shard, p * (grad + word))
-    t_dp = ((n - 1) / n * dp_bytes / link(tp * cp * dp) + lat * sum(blocks)) * (n > 1)
+    t_dp = ((n - 1) / n * dp_bytes / link(tp * cp, dp) + lat * sum(blocks)) * (n > 1)
     # Under a pipeline ZeRO's reduction waits for the flush (Megatron, DeepSpeed); FSDP's
     # gathers and a pipeline-free reduction hide behind the step's compute.
     exposed = max(0.0, t_dp - (0 if pp > 1 and shard < 3 else hw["overlap"] * compute))
@@ -287,9 +285,8 @@ def search(m, hw, batch, microbatch, fixed, policy="keep"):
     given = [fixed[k] for k in ("tp", "pp", "cp", "dp")]  # all four: that layout, whatever
     for tp, pp, cp in itertools.product(degrees, repeat=3) if None in given else [given[:3]]:
         layout = dict(tp=tp, pp=pp, cp=cp, dp=fixed["dp"] or gpus // (tp * pp * cp))
-        if None in given and (gpus % (tp * pp * cp) or tp > hw["gpus_per_node"] or cp > 16):
-            continue
-        if any(fixed[k] not in (None, layout[k]) for k in layout):
+        far = gpus % (tp * pp * cp) or tp > hw["gpus_per_node"] or cp > 16
+        if (None in given and far) or any(fixed[k] not in (None, layout[k]) for k in layout):
             continue
         scheds = [("1f1b", 1), ("interleaved-1f1b", 2)] if pp > 1 else [("1f1b", 1)]
         if fixed["schedule"] and pp > 1:
@@ -341,7 +338,7 @@ def get_args(argv=None):
     add("--shard", type=int, choices=[0, 1, 2, 3], help="ZeRO stage, 3 FSDP (default: searched)")
     add("--pipeline-schedule", choices=SCHEDULES, help="model_parallel.py's (default: searched)")
     add("--stages-per-rank", type=int, help="stages a pipeline rank holds (interleaved: 2)")
-    add("--recompute", choices=["none", "selective", "full"], help="(default: searched)")
+    add("--recompute", choices=["none", "selective", "op", "full"], help="op: torchtitan's policy")
     add("--precision", choices=["bf16", "fp16", "fp8", "fp32"], default="bf16", help="matmuls'")
     sp = "norms and residuals cut over tp too (Korthikanti et al. 2022)"
     add("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True, help=sp)
@@ -353,8 +350,7 @@ def get_args(argv=None):
 
 
 def run(argv):
-    """plan.py's answer for a command line (a list of flags): args, model, hardware, layouts
-    (fastest first; those that fit before those that do not)."""
+    """plan.py's answer to a list of flags: args, model, hardware, layouts (fitting, fastest)."""
     args = get_args(argv)
     if args.model not in PRESETS:
         raise PlanError(f"--model {args.model} is no preset: choose one of {', '.join(PRESETS)}")

@@ -19,11 +19,12 @@ import plan  # noqa: E402
 
 COLORS = {"torchtitan": "tab:blue", "BLOOM-176B": "tab:orange", "Narayanan": "tab:purple"}
 LABELS = {
-    "torchtitan": "torchtitan Llama 3.1, H100 (filled: a row fitted)",
+    "torchtitan": "torchtitan Llama 3.1, H100 (filled: a row fitted, here)",
     "BLOOM-176B": "BLOOM-176B layout tests, A100 (same)",
     "Narayanan": "Narayanan et al. 2021, GPT on A100 (same)",
 }
 DATA = json.loads((ROOT / "tests" / "plan_published.json").read_text())
+MEMORY_FITTED = {r["name"]: r.get("memory_fitted") for r in DATA["rows"]}
 
 
 def published():
@@ -69,8 +70,9 @@ def draw(rows, cpu, path):
                         color="tab:green", alpha=0.15, label=f"within {band:.0%}")  # fmt: skip
         for want, got, r in points:
             kind = COLORS[r[0].split()[0]]
-            ax.scatter(want, got, color=kind, marker="o" if r[1] else "s", zorder=4,
-                       facecolors=kind if r[1] else "none")  # fmt: skip
+            fit = r[1] if unit.startswith("tokens") else MEMORY_FITTED[r[0]]
+            ax.scatter(want, got, color=kind, marker="o" if fit else "s", zorder=4,
+                       facecolors=kind if fit else "none")  # fmt: skip
         for source, kind in COLORS.items():
             if any(r[0].startswith(source) for *_, r in points):
                 ax.scatter([], [], color=kind, label=LABELS[source])
@@ -92,7 +94,8 @@ def main():
     print("| run | fitted | tokens/s a GPU: plan.py / published | error | GiB: plan.py / "
           "published | error |\n|---|---|---|---|---|---|")  # fmt: skip
     for name, fitted, got, want, mem, mem_want in rows:
-        fitted = "yes" if fitted is True else "x0" if fitted else ""
+        marks = ["yes" if fitted is True else "x0" if fitted else ""]
+        fitted = ", ".join(filter(None, [*marks, "reserve" * bool(MEMORY_FITTED[name])]))
         print(
             f"| {name} | {fitted} | {got:,.0f} / {want:,.0f} | "
             f"{got / want - 1:+.1%} | {mem:.1f} / {mem_want or '-'} | "
