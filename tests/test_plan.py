@@ -4,6 +4,7 @@ plan.py's own (which imports no torch)."""
 
 import json
 import math
+import re
 import subprocess
 import sys
 import types
@@ -293,3 +294,28 @@ def test_fsdp_under_a_pipeline_gathers_once_or_per_micro_batch():
         for policy in ("keep", "reshard")
     )
     assert keep / reshard == pytest.approx((2 + 4) / (2 * (32 + 1) + 4))
+
+
+def layout_in_words(words):
+    """README's words for a layout ("TP 4, PP 8 (V 2), CP 16, FSDP 32"; "DP 8, ZeRO 1")."""
+    got = dict(tp=1, pp=1, cp=1, stages_per_rank=1)
+    for kind, n in re.findall(r"(TP|PP|V|CP|FSDP|DP|ZeRO) (\d+)", words):
+        key = dict(V="stages_per_rank", FSDP="dp", DP="dp", ZeRO="shard").get(kind, kind.lower())
+        got[key] = int(n)
+    return got | (dict(shard=3) if "FSDP" in words else {})
+
+
+def test_the_readmes_cases_are_plan_pys_answers():
+    """README's "What a layout costs" table: each command's best layout, GiB a GPU, tokens/s a
+    GPU and MFU as plan.py prints them."""
+    readme = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| `plan\.py ([^`]+)` \| ([^|]+) \| ([\d.]+) \| ([\d,]+), (\d+)% \|$",
+                      readme, re.M)  # fmt: skip
+    assert len(rows) == 3
+    for flags, words, gib, tokens, mfu in rows:
+        best = plan.run(flags.split())[3][0]
+        want = layout_in_words(words)
+        assert {k: best["layout"][k] for k in want} == want, flags
+        assert f"{best['memory_gib']:.1f}" == gib, flags
+        assert f"{best['tokens_per_second_per_gpu']:,.0f}" == tokens, flags
+        assert f"{best['mfu']:.0%}" == f"{mfu}%", flags
