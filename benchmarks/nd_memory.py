@@ -6,7 +6,7 @@ proof that no process builds, fills or exports the whole model.
     python benchmarks/nd_memory.py --nproc 2 --dim 128 --depth 2 --layouts "--dp 2"   # quick
 
 Each layout is its own torchrun launch on CPU with gloo; each rank reports its peak resident
-set size (getrusage's ru_maxrss) as it exits. The idle row: one process that has imported
+set size (getrusage's ru_maxrss) as it exits, and the most bytes autograd held for backward. The idle row: one process that has imported
 torch and nd_parallel.py and loaded the same data. A rank's share: its 1/world of the weights,
 gradients and AdamW's two moments (16 bytes a parameter), plus one block's gathered weights.
 The text: the first 256 KB of the standard library's sources (a test set of 13 KB, so the
@@ -36,13 +36,17 @@ def peak_rss():  # bytes (Linux reports kilobytes)
 
 
 def rank_main(report, argv):
-    """Run nd_parallel.py as torchrun started it, then write this rank's peak to REPORT.RANK."""
+    """Run nd_parallel.py as torchrun started it, then write this rank's peak to REPORT.RANK,
+    and the most bytes autograd held for backward at once (nd_costs.py's count)."""
     sys.path.insert(0, str(ROOT))
-    sys.argv = [str(ROOT / "nd_parallel.py"), *argv]
+    from benchmarks.nd_costs import Saved
+
+    sys.argv, saved = [str(ROOT / "nd_parallel.py"), *argv], Saved()
     try:
-        runpy.run_path(sys.argv[0], run_name="__main__")
+        with saved.hooks():
+            runpy.run_path(sys.argv[0], run_name="__main__")
     finally:
-        Path(f"{report}.{os.environ.get('RANK', '0')}").write_text(str(peak_rss()))
+        Path(f"{report}.{os.environ.get('RANK', '0')}").write_text(f"{peak_rss()} {saved.peak}")
 
 
 def idle_main(text, seq_len):
@@ -98,7 +102,7 @@ def main():
     block = sum(p.numel() for p in gpt.blocks[0].parameters())
     idle = [sys.executable, __file__, "--idle", str(text), str(args.seq_len)]
     idle = int(run(idle, env).split()[0])
-    rows = []
+    rows, ranks = [], range(args.nproc)
     for i, layout in enumerate(args.layouts):
         report, out = tmp / f"peak{i}", tmp / f"out{i}"  # a layout resumes from no other
         flags = ["--data", "text", "--data-dir", str(text), "--model", "gpt", "--max-steps", "1"]
@@ -108,8 +112,11 @@ def main():
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         launch += [f"--nproc_per_node={args.nproc}", __file__, "--rank", str(report), *flags]
         run(launch, env)
-        peaks = [int(Path(f"{report}.{r}").read_text()) for r in range(args.nproc)]
-        rows.append(dict(layout=layout, peaks=peaks, median=statistics.median(peaks)))
+        peaks, held = [], []  # each rank's peak RSS; the most it held for backward at once
+        for r in ranks:
+            peak, most = map(int, Path(f"{report}.{r}").read_text().split())
+            peaks, held = [*peaks, peak], [*held, most]
+        rows.append(dict(layout=layout, peaks=peaks, median=statistics.median(peaks), held=held))
         shutil.rmtree(out)  # its checkpoint and model.pt: 2.4 GB at 151 M parameters
     share = 16 * params / args.nproc + 4 * block  # its pieces and AdamW's, one block gathered
     print(f"GPT of {params / 1e6:.1f} M parameters ({4 * params / MB:.0f} MB fp32), {shape}")
@@ -121,9 +128,13 @@ def main():
         cells = " | ".join(f"{p / MB:.0f}" for p in [*row["peaks"], row["median"]])
         print(f"| `{row['layout']}` | {cells} |")
         excess = (max(row["peaks"]) - row["median"]) / (4 * params)
-        over = max(row["peaks"]) - idle - share
+        over = [p - idle - share for p in row["peaks"]]
+        beyond = [o - h for o, h in zip(over, row["held"], strict=True)]
         print(f"  highest rank above the median: {excess:.2f} of the fp32 weights (bound 0.25);")
-        print(f"  highest rank above idle + its share: {over / MB:.0f} MB")
+        print(f"  highest rank above idle + its share: {max(over) / MB:.0f} MB;")
+        held = " ".join(f"{h / MB:.0f}" for h in row["held"])
+        print(f"  held for backward at most, by rank: {held} MB; each rank above idle + its share")
+        print("  + what it held: " + " ".join(f"{b / MB:.0f}" for b in beyond))
     if args.json:
         figures = dict(params=params, idle=idle, share=share, rows=rows, **shape)
         Path(args.json).write_text(json.dumps(figures, indent=1))
