@@ -244,10 +244,10 @@ def evaluate(m, hw, lay, batch, microbatch, policy="keep"):
         act = kept * nb * in_flight(sched, micro, pp, v) ** (r == 0) * tokens * h * word
         act += {"full": c, "op": c - op}.get(rec, 0) / tp * tokens * h * word  # one recomputed
         act += head * tokens * vocab / tp * 12  # fp32 log-probabilities, theirs, logits' grads
-        # FSDP gathers a block and prefetches the next (torchtitan's under a pipeline: all, and
-        # their gradients, to the step's end); ZeRO 0-2 reduces buckets of two blocks' fp32.
+        # FSDP gathers a block and prefetches the next (torchtitan's under a pipeline: all, their
+        # fp32 gradients unreduced to the last micro-batch); ZeRO 0-2: buckets of 2 blocks' fp32.
         keep = shard == 3 and policy == "keep" and pp > 1
-        buf = (nb * 2 * word if keep else 2 * (word if shard == 3 else 4)) * bp / tp
+        buf = (nb * (word + 4) if keep else 2 * (word if shard == 3 else 4)) * bp / tp
         mem = dict(zip(SPLIT, (*states, act, buf), strict=True))
         ranks.append(dict(params=params, parts=parts, mem=mem))
     worst = max(ranks, key=lambda x: sum(x["mem"].values()))["mem"]
