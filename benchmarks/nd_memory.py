@@ -6,9 +6,10 @@ proof that no process builds, fills or exports the whole model.
     python benchmarks/nd_memory.py --nproc 2 --dim 128 --depth 2 --layouts "--dp 2"   # quick
 
 Each layout is its own torchrun launch on CPU with gloo; each rank reports its peak resident
-set size (getrusage's ru_maxrss) as it exits, and the most bytes autograd held for backward. The idle row: one process that has imported
-torch and nd_parallel.py and loaded the same data. A rank's share: its 1/world of the weights,
-gradients and AdamW's two moments (16 bytes a parameter), plus one block's gathered weights.
+set size (getrusage's ru_maxrss) as it exits, and the most bytes autograd held for backward.
+The idle row: one process that has imported torch and nd_parallel.py and loaded the same data.
+A rank's share: its 1/world of the weights, gradients and AdamW's two moments (16 bytes a
+parameter), plus one block's gathered weights.
 The text: the first 256 KB of the standard library's sources (a test set of 13 KB, so the
 evaluation at the end takes seconds, not hours, at this width). Blocks of 1 MB and more go
 back to the system when freed (MALLOC_MMAP_THRESHOLD_): a peak is what the tensors needed.
